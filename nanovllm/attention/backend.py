@@ -1,0 +1,18 @@
+import torch
+
+from nanovllm.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend:
+    """Paged attention over a KV cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+
+    forward() first writes the new tokens' k/v into the cache at meta.slot_mapping (when a cache is
+    given: the memory-profiling run has none), then attends every query to its whole context.
+    q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; returns [T, heads, head_dim].
+    """
+
+    name = "abstract"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
+                v_cache: torch.Tensor | None, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError

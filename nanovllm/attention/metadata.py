@@ -1,0 +1,26 @@
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch, as every attention backend sees it.
+
+    B sequences, decodes (exactly one new token) first, then prefills (chunks of a prompt, which may
+    follow a cached prefix); T new tokens in all.
+    """
+
+    slot_mapping: torch.Tensor     # [T] int64: KV-cache slot (block * block_size + offset) of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32: cu_seqlens of the new tokens
+    seq_lens: torch.Tensor         # [B] int32: context length after this step (cached prefix + new tokens)
+    block_tables: torch.Tensor     # [B, max_blocks] int32: KV blocks of each sequence, 0-padded
+    num_decodes: int               # the first num_decodes sequences have one new token each
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]  # host copies, for backends that loop over sequences
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)

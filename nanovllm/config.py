@@ -1,0 +1,119 @@
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from nanovllm.logger import log_once
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+def _require(ok: bool, message: str):
+    if not ok:
+        raise ValueError(message)
+
+
+@dataclass
+class ModelConfig:
+    """What the engine knows of the model: its HF config, where it lives, and the resolved sizes."""
+
+    model: str
+    format: str  # "safetensors" | "gguf"
+    hf_config: object
+    dtype: torch.dtype
+    max_model_len: int
+    tokenizer: str | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+@dataclass
+class Config:
+    """Every engine setting, validated once: an error names the field and the fix."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # CPU default: 4 GiB, as vLLM's VLLM_CPU_KVCACHE_SPACE
+    num_gpu_blocks_override: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+    attention_backend: str | None = None  # None: the device's default
+    model_config: ModelConfig = field(init=False)
+
+    def __post_init__(self):
+        from nanovllm.weights.model_files import load_model_config  # heavy imports stay lazy
+
+        self.device = self._resolve_device(self.device)
+        _require(0 < self.gpu_memory_utilization <= 1,
+                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+                 f"block_size must be a power of two from 1 to 256, got {self.block_size}")
+        _require(self.max_num_batched_tokens >= self.max_num_seqs,
+                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                 f"({self.max_num_seqs}): every running sequence needs one token a step")
+        _require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+                 f"num_gpu_blocks_override must be None or >= 1, got {self.num_gpu_blocks_override}")
+        _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+                 f"kv_cache_memory_bytes must be None or > 0, got {self.kv_cache_memory_bytes}")
+        hf_config, fmt = load_model_config(self.model)
+        dtype = self._resolve_dtype(hf_config)
+        max_model_len = self._resolve_max_model_len(hf_config)
+        self.model_config = ModelConfig(os.fspath(self.model), fmt, hf_config, dtype, max_model_len,
+                                        self.tokenizer)
+
+    @staticmethod
+    def _resolve_device(device: str) -> str:
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        _require(device in ("cpu", "cuda") or device.startswith("cuda:"),
+                 f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+        if device.startswith("cuda"):
+            _require(torch.cuda.is_available(), "device='cuda' but torch sees no CUDA GPU; use device='cpu'")
+        return device
+
+    def _resolve_dtype(self, hf_config) -> torch.dtype:
+        if isinstance(self.dtype, torch.dtype):
+            dtype = self.dtype
+        elif self.dtype == "auto":
+            if self.device == "cpu":
+                dtype = torch.float32  # CPUs here lack fast bf16 matmul; fp32 is also exact vs HF
+            else:
+                dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+                dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+                if dtype not in (torch.float16, torch.bfloat16):
+                    dtype = torch.bfloat16
+            log_once(f"dtype='auto' resolved to {dtype} on {self.device}")
+        else:
+            _require(self.dtype in _DTYPES, f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            dtype = _DTYPES[self.dtype]
+        _require(dtype in (torch.float32, torch.float16, torch.bfloat16),
+                 f"dtype must be float32, float16 or bfloat16, got {dtype}")
+        return dtype
+
+    def _resolve_max_model_len(self, hf_config) -> int:
+        limit = getattr(hf_config, "max_position_embeddings", None)
+        if self.max_model_len is None:
+            _require(limit is not None, "the model config has no max_position_embeddings: pass max_model_len")
+            return limit
+        _require(isinstance(self.max_model_len, int) and self.max_model_len >= 1,
+                 f"max_model_len must be an integer >= 1, got {self.max_model_len}")
+        _require(limit is None or self.max_model_len <= limit,
+                 f"max_model_len ({self.max_model_len}) is larger than the model's max_position_embeddings ({limit})")
+        return self.max_model_len

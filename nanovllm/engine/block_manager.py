@@ -1,0 +1,128 @@
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None  # set once the block is full and registered in the prefix cache
+        self.token_ids: tuple[int, ...] = ()
+
+
+def hash_block(parent_hash: int | None, token_ids) -> int:
+    """xxhash chain: a block's hash covers its tokens and, through the parent, every token before."""
+    h = xxhash.xxh3_64()
+    if parent_hash is not None:
+        h.update(parent_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class BlockManager:
+    """Fixed-size KV blocks with reference counts and a prefix cache keyed by chain hashes.
+
+    Blocks with no reference wait in `free_queue` in eviction order (least recently freed first);
+    a cached one among them can still be revived by a prefix hit until it is handed out again.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.num_cache_hit_blocks = 0  # statistics: blocks reused through the prefix cache
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def _full_block_hashes(self, seq: Sequence) -> list[int]:
+        """Extend seq.block_hashes to every full block of its tokens and return it."""
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), seq.num_tokens // bs):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
+        return seq.block_hashes
+
+    def find_cached_blocks(self, seq: Sequence) -> list[int]:
+        """The longest run of cached blocks at the start of seq, leaving at least its last token to compute
+        (that token's logits are needed)."""
+        if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
+            return []
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs
+        hits = []
+        for i, h in enumerate(self._full_block_hashes(seq)[:max_blocks]):
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Make seq's block table cover its computed tokens plus num_new_tokens, taking `cached_blocks`
+        first (a prefix hit, only for a sequence with no blocks yet). False, and no change, if it can't."""
+        need_total = -(-(seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens)
+                       // self.block_size)
+        num_new_blocks = need_total - len(seq.block_table) - len(cached_blocks)
+        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        if num_new_blocks + revived > len(self.free_queue):
+            return False
+        for block_id in cached_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        self.num_cache_hit_blocks += len(cached_blocks)
+        for _ in range(max(num_new_blocks, 0)):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict it from the prefix cache
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def free(self, seq: Sequence):
+        """Drop seq's references; its tail blocks become the first to be evicted."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        seq.block_table = []
+        seq.num_registered_blocks = 0
+
+    def cache_full_blocks(self, seq: Sequence):
+        """Register the blocks that seq's computed tokens have filled, so later prompts can share them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        hashes = self._full_block_hashes(seq)
+        for i in range(seq.num_registered_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            if block.block_hash is not None:  # a prefix hit, already registered
+                continue
+            block.block_hash = hashes[i]
+            block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            self.cached.setdefault(block.block_hash, block.block_id)
+        seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)

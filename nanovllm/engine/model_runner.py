@@ -1,0 +1,281 @@
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanovllm.attention import AttentionMetadata, get_attention_backend
+from nanovllm.config import Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.logger import logger
+from nanovllm.models import get_model_class
+from nanovllm.weights.model_files import iterate_weights
+
+CPU_KV_CACHE_BYTES = 4 << 30
+PROMPT_LOGPROBS_CHUNK = 1024  # rows of [rows, vocab] fp32 logits alive at once while scoring prompts
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position: the chosen token's, and the top-k."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class RunnerOutput:
+    sampled: list[int | None]  # per scheduled seq: the new token, None while its prompt is still filling
+    logprobs: list[TokenLogprobs | None]  # per scheduled seq, when it asked for logprobs
+    prompt_logprobs: list[list[TokenLogprobs]]  # per scheduled seq: entries for this step's prompt positions
+
+
+class ModelRunner:
+    """Owns the model, the KV cache and the sampler; turns scheduled sequences into new tokens."""
+
+    def __init__(self, config: Config, stop_token_ids: set[int]):
+        self.config = config
+        mc = config.model_config
+        self.hf_config = mc.hf_config
+        self.device = torch.device(config.device)
+        self.dtype = mc.dtype
+        self.block_size = config.block_size
+        self.vocab_size = mc.vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.model = self._load_model()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        backend = get_attention_backend(config.attention_backend, config.device)
+        for layer in self.attention_layers:
+            layer.backend = backend
+        self.num_blocks = self._num_kv_blocks()
+        self._allocate_kv_cache()
+        self.sampler = Sampler()
+
+    def _load_model(self):
+        mc = self.config.model_config
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = get_model_class(self.hf_config)(self.hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        model.load_weights(iterate_weights(mc))
+        return model.eval()
+
+    # ---- KV cache -------------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        layer = self.attention_layers[0]
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * len(self.attention_layers) * self.block_size * layer.num_kv_heads * layer.head_dim * element
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            num_blocks = cfg.num_gpu_blocks_override
+        elif cfg.kv_cache_memory_bytes is not None:
+            num_blocks = cfg.kv_cache_memory_bytes // self.kv_bytes_per_block()
+        elif self.device.type == "cpu":
+            num_blocks = CPU_KV_CACHE_BYTES // self.kv_bytes_per_block()
+        else:
+            num_blocks = self._profile_gpu_blocks()
+        capacity = num_blocks * self.block_size
+        max_len = cfg.model_config.max_model_len
+        if capacity < max_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {self.block_size}), fewer than "
+                f"max_model_len={max_len}: raise kv_cache_memory_bytes (CPU) or gpu_memory_utilization (GPU) "
+                f"or num_gpu_blocks_override, or lower max_model_len")
+        return num_blocks
+
+    def _profile_gpu_blocks(self) -> int:
+        """Free memory after a forward at the largest batch, times gpu_memory_utilization (as vLLM)."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.profile_run()
+        torch.cuda.synchronize(self.device)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
+        num_blocks = int(budget // self.kv_bytes_per_block())
+        if num_blocks < 1:
+            gib = 1 << 30
+            raise ValueError(
+                f"no GPU memory is left for the KV cache: {(total - free) / gib:.1f} GiB in use and "
+                f"{activation_peak / gib:.1f} GiB of activations, of {total / gib:.1f} GiB at "
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization}: raise gpu_memory_utilization, "
+                f"lower max_num_batched_tokens or max_num_seqs, or use a smaller model")
+        return num_blocks
+
+    @torch.inference_mode()
+    def profile_run(self):
+        """A forward over max_num_batched_tokens tokens with no KV cache, then sampling max_num_seqs rows."""
+        cfg = self.config
+        lens = []
+        left = cfg.max_num_batched_tokens
+        while left > 0:
+            lens.append(min(left, cfg.model_config.max_model_len))
+            left -= lens[-1]
+        num_tokens = sum(lens)
+        starts = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=self.device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(len(lens), 1, dtype=torch.int32, device=self.device),
+            num_decodes=0, max_query_len=max(lens), max_seq_len=max(lens),
+            query_start_loc_cpu=starts, seq_lens_cpu=lens)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        hidden = self.model(ids, positions, meta)
+        rows = min(cfg.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        logits.log_softmax(-1).sort(dim=-1)  # the sampler's largest temporaries
+        del hidden, logits
+
+    def _allocate_kv_cache(self):
+        layer = self.attention_layers[0]
+        shape = (2, len(self.attention_layers), self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.attention_layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        logger.info(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
+                    f"({self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 30):.2f} GiB on {self.device})")
+
+    # ---- one step -------------------------------------------------------------------------------
+    def _to_device(self, array, dtype) -> torch.Tensor:
+        t = torch.from_numpy(np.asarray(array)).to(dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def prepare_inputs(self, seqs: list[Sequence]):
+        bs = self.block_size
+        ids, positions, slots = [], [], []
+        starts, seq_lens = [0], []
+        for seq in seqs:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+            pos = np.arange(start, end)
+            table = np.asarray(seq.block_table)
+            ids.append(seq.token_ids[start:end])
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            starts.append(starts[-1] + end - start)
+            seq_lens.append(end)
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((len(seqs), width), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = seq.block_table
+        num_decodes = sum(1 for s in seqs if s.num_scheduled_tokens == 1)
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(np.concatenate(slots), torch.int64),
+            query_start_loc=self._to_device(starts, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            block_tables=self._to_device(tables, torch.int32),
+            num_decodes=num_decodes, max_query_len=max(np.diff(starts)), max_seq_len=max(seq_lens),
+            query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+        input_ids = self._to_device(np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]), torch.int64)
+        return input_ids, self._to_device(np.concatenate(positions), torch.int64), meta
+
+    def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
+        params = [s.params for s in seqs]
+        f32 = lambda values: self._to_device(np.asarray(values, dtype=np.float32), torch.float32)  # noqa: E731
+        i64 = lambda values: self._to_device(np.asarray(values, dtype=np.int64), torch.int64)  # noqa: E731
+        counts = prompt_mask = None
+        if any(p.has_penalties for p in params):
+            counts, prompt_mask = self._token_occurrences(seqs)
+        banned_rows, banned_ids = [], []
+        for row, seq in enumerate(seqs):
+            if seq.num_output_tokens < seq.params.min_tokens:
+                stops = self.stop_token_ids + seq.params.stop_token_ids
+                banned_rows += [row] * len(stops)
+                banned_ids += stops
+        logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+        return SamplingTensors(
+            temperature=f32([p.temperature for p in params]), top_p=f32([p.top_p for p in params]),
+            top_k=i64([p.top_k or self.vocab_size for p in params]), min_p=f32([p.min_p for p in params]),
+            seeds=i64([s.seed for s in seqs]), steps=i64([s.num_output_tokens for s in seqs]),
+            presence_penalty=f32([p.presence_penalty for p in params]),
+            frequency_penalty=f32([p.frequency_penalty for p in params]),
+            repetition_penalty=f32([p.repetition_penalty for p in params]),
+            output_counts=counts, prompt_mask=prompt_mask,
+            banned=(i64(banned_rows), i64(banned_ids)) if banned_rows else None,
+            all_greedy=all(p.greedy for p in params),
+            any_top_k_p=any(p.top_k or p.top_p < 1 for p in params), any_min_p=any(p.min_p > 0 for p in params),
+            max_logprobs=max(logprob_counts, default=-1))
+
+    def _token_occurrences(self, seqs: list[Sequence]):
+        """[B, V] counts of each output token and a mask of prompt tokens, built by scatter on device."""
+        def padded(lists):
+            width = max(1, max(len(x) for x in lists))
+            out = np.full((len(lists), width), self.vocab_size, dtype=np.int64)  # the pad id lands in a spare column
+            for i, x in enumerate(lists):
+                out[i, :len(x)] = x
+            return self._to_device(out, torch.int64)
+
+        def occurrences(lists):
+            ids = padded(lists)
+            counts = torch.zeros(len(lists), self.vocab_size + 1, device=self.device)
+            return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))[:, :-1]
+
+        outputs = occurrences([s.output_token_ids for s in seqs])
+        prompts = occurrences([s.token_ids[:s.num_prompt_tokens] for s in seqs]) > 0
+        return outputs, prompts
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> RunnerOutput:
+        input_ids, positions, meta = self.prepare_inputs(seqs)
+        hidden = self.model(input_ids, positions, meta)
+        prompt_logprobs = self._prompt_logprobs(seqs, hidden, meta.query_start_loc_cpu)
+        sample_idx = [i for i, s in enumerate(seqs) if s.is_prefill_done]
+        sampled: list[int | None] = [None] * len(seqs)
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        if sample_idx:
+            rows = [meta.query_start_loc_cpu[i + 1] - 1 for i in sample_idx]
+            sample_seqs = [seqs[i] for i in sample_idx]
+            logits = self.model.compute_logits(hidden[self._to_device(rows, torch.int64)])
+            tensors = self.prepare_sampling(sample_seqs)
+            tokens, raw_logprobs = self.sampler(logits, tensors)
+            token_list = tokens.tolist()
+            lp = self._gather_logprobs(raw_logprobs, tokens, tensors.max_logprobs) if raw_logprobs is not None else None
+            for j, i in enumerate(sample_idx):
+                sampled[i] = token_list[j]
+                if lp is not None and seqs[i].params.logprobs is not None:
+                    logprobs[i] = lp[j]
+        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    @staticmethod
+    def _gather_logprobs(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:
+        """Per row: the target's logprob and rank (1 = most likely), and the top-k."""
+        chosen = logprobs.gather(1, targets[:, None])
+        ranks = (logprobs > chosen).sum(1) + 1
+        top_lp, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (chosen[:, :0], targets[:, None][:, :0])
+        return [TokenLogprobs(t, c, r, ids, lps) for t, c, r, ids, lps in
+                zip(targets.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())]
+
+    def _prompt_logprobs(self, seqs, hidden, starts) -> list[list[TokenLogprobs]]:
+        """Log-likelihood of each prompt token given the ones before, a chunk of rows at a time."""
+        out: list[list[TokenLogprobs]] = [[] for _ in seqs]
+        rows, targets, owners = [], [], []
+        for i, seq in enumerate(seqs):
+            if not seq.wants_prompt_logprobs:
+                continue
+            start = seq.num_computed_tokens
+            end = min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
+            for pos in range(start, end):
+                rows.append(starts[i] + pos - start)
+                targets.append(seq.token_ids[pos + 1])
+                owners.append(i)
+        k = max((seqs[i].params.prompt_logprobs for i in set(owners)), default=0)
+        for c in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
+            chunk = slice(c, c + PROMPT_LOGPROBS_CHUNK)
+            logits = self.model.compute_logits(hidden[self._to_device(rows[chunk], torch.int64)])
+            entries = self._gather_logprobs(logits.log_softmax(-1), self._to_device(targets[chunk], torch.int64), k)
+            for owner, entry in zip(owners[chunk], entries):
+                out[owner].append(entry)
+        return out

@@ -1,0 +1,84 @@
+from collections import deque
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Each step: running sequences first (one decode token, or the next chunk of a long prompt), then
+    waiting ones while the token budget and free blocks last. When blocks run out, the newest running
+    sequence is preempted (its KV dropped, to be recomputed) and goes back to the head of the queue."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[Sequence]:
+        """Sequences to run this step with num_scheduled_tokens set; those with one new token come first."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(seq, num_new):
+                self._preempt(self.running.pop())
+                preempted = True
+                if i == len(self.running):  # seq itself was the newest
+                    break
+            else:
+                seq.num_scheduled_tokens = num_new
+                scheduled.append(seq)
+                budget -= num_new
+                i += 1
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits = self.block_manager.find_cached_blocks(seq)
+            num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+            if not self.block_manager.allocate_slots(seq, num_new, hits):
+                break
+            seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_manager.block_size
+            seq.num_registered_blocks = len(hits)
+            seq.num_scheduled_tokens = num_new
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.popleft()
+            self.running.append(seq)
+            scheduled.append(seq)
+            budget -= num_new
+        scheduled.sort(key=lambda s: s.num_scheduled_tokens != 1)
+        return scheduled
+
+    def _preempt(self, seq: Sequence):
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = seq.num_scheduled_tokens = 0
+        seq.prompt_logprobs = []
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish_step(self, scheduled: list[Sequence]):
+        """Account the tokens just computed and register newly filled blocks in the prefix cache."""
+        for seq in scheduled:
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.cache_full_blocks(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason=None):
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.block_manager.free(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

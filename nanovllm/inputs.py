@@ -1,0 +1,15 @@
+from typing import TypedDict
+
+from typing_extensions import NotRequired
+
+
+class TextPrompt(TypedDict):
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    prompt_token_ids: list[int]
+    prompt: NotRequired[str]
+
+
+PromptType = str | TextPrompt | TokensPrompt

@@ -1,0 +1,18 @@
+import torch
+from torch import nn
+
+from nanovllm.attention import AttentionBackend, AttentionMetadata
+
+
+class Attention(nn.Module):
+    """One layer's paged attention: holds a handle to its KV cache, delegates the math to the backend."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float):
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads, self.scale = num_heads, head_dim, num_kv_heads, scale
+        self.backend: AttentionBackend | None = None  # set by the ModelRunner
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)

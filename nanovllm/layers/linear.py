@@ -1,0 +1,69 @@
+"""Linear layers. A layer owns its shape and shard layout; a LinearMethod owns how the weight is
+stored and multiplied, which is the seam where quantized formats plug in."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearMethod:
+    def create_weights(self, layer: "LinearBase", bias: bool):
+        raise NotImplementedError
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    def create_weights(self, layer: "LinearBase", bias: bool):
+        layer.weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size), requires_grad=False)
+        layer.bias = nn.Parameter(torch.empty(layer.output_size), requires_grad=False) if bias else None
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b). `output_shards` names the row ranges that separate HF tensors fill."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 shard_ids: list | None = None, linear_method: LinearMethod | None = None):
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = sum(output_sizes)
+        offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+        ids = shard_ids if shard_ids is not None else list(range(len(output_sizes)))
+        self.output_shards = {sid: (off, size) for sid, off, size in zip(ids, offsets, output_sizes)}
+        self.linear_method = linear_method or UnquantizedLinearMethod()
+        self.linear_method.create_weights(self, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+        target = param.data
+        if shard_id is not None:
+            offset, size = self.output_shards[shard_id]
+            target = target.narrow(0, offset, size)
+        if target.shape != loaded.shape:
+            raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
+        target.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_method.apply(self, x)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, **kw):
+        super().__init__(input_size, [output_size], bias, shard_ids=[None], **kw)
+
+
+class MergedColumnLinear(LinearBase):
+    """Several projections of the same input stacked along the output (gate_up_proj)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, **kw):
+        super().__init__(input_size, output_sizes, bias, **kw)
+
+
+class QKVLinear(LinearBase):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, **kw):
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias,
+                         shard_ids=["q", "k", "v"], **kw)

@@ -1,0 +1,90 @@
+"""Batched sampling on device tensors: every SamplingParams knob is a [B] tensor, no per-row Python.
+
+Randomness comes from a counter-based hash of (sequence seed, output position, token id), so a seeded
+request draws the same tokens whatever else is in the batch, and after a preemption too."""
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors; multipliers stay below 2**31 so nothing overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Exp(1) noise [B, V], a pure function of (seed, step, token id)."""
+    key = _mix32(seeds ^ _mix32(steps + 0x3C6EF372))
+    tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    bits = _mix32((key[:, None] + tokens[None, :] * 0x9E3779B9) & _MASK32)
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(uniform)
+
+
+@dataclass
+class SamplingTensors:
+    temperature: torch.Tensor        # [B] float, 0 = greedy
+    top_p: torch.Tensor              # [B] float
+    top_k: torch.Tensor              # [B] int64, vocab size = off
+    min_p: torch.Tensor              # [B] float
+    seeds: torch.Tensor              # [B] int64 in [0, 2**32)
+    steps: torch.Tensor              # [B] int64: output tokens so far
+    presence_penalty: torch.Tensor   # [B] float
+    frequency_penalty: torch.Tensor  # [B] float
+    repetition_penalty: torch.Tensor  # [B] float
+    output_counts: torch.Tensor | None  # [B, V] float counts of output tokens (only with penalties)
+    prompt_mask: torch.Tensor | None   # [B, V] bool: token occurs in the prompt (only with penalties)
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf: min_tokens
+    all_greedy: bool
+    any_top_k_p: bool
+    any_min_p: bool
+    max_logprobs: int  # largest top-k logprobs asked for; -1 = none
+
+
+def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """vLLM's order: repetition (prompt and output tokens), then frequency and presence (output only)."""
+    seen = t.prompt_mask | (t.output_counts > 0)
+    rep = t.repetition_penalty[:, None]
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - t.frequency_penalty[:, None] * t.output_counts
+    return logits - t.presence_penalty[:, None] * (t.output_counts > 0).float()
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+    before = probs.cumsum(-1) - probs  # probability mass strictly before each token
+    drop |= (before > top_p[:, None]) & (ranks > 0)
+    return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors):
+        """logits: [B, V] fp32, raw from the model. Returns (token ids [B], raw logprobs [B, V] or None)."""
+        logprobs = logits.log_softmax(-1) if t.max_logprobs >= 0 else None
+        if t.banned is not None:
+            logits = logits.index_put(t.banned, torch.tensor(float("-inf"), device=logits.device))
+        if t.output_counts is not None:
+            logits = apply_penalties(logits, t)
+        greedy = logits.argmax(-1)
+        if t.all_greedy:
+            return greedy, logprobs
+        temperature = torch.where(t.temperature > 0, t.temperature, 1.0)
+        logits = logits / temperature[:, None]
+        if t.any_min_p:
+            probs = logits.softmax(-1)
+            too_unlikely = probs < t.min_p[:, None] * probs.max(-1, keepdim=True).values
+            logits = logits.masked_fill(too_unlikely, float("-inf"))
+        if t.any_top_k_p:
+            logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
+        probs = logits.softmax(-1)
+        sampled = (probs / exponential_noise(t.seeds, t.steps, logits.shape[-1])).argmax(-1)
+        return torch.where(t.temperature > 0, sampled, greedy), logprobs

@@ -1,0 +1,5 @@
+from nanovllm.models.llama import LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True

@@ -1,0 +1,119 @@
+"""GGUF files through the `gguf` package: the HF config from the metadata, and tensors under HF names."""
+import os
+import re
+from collections.abc import Iterator
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from nanovllm.models.registry import GGUF_ARCHITECTURES
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@lru_cache(maxsize=2)
+def open_gguf(path: str):
+    import gguf
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the gguf package raises many kinds on bad bytes
+        raise ValueError(f"corrupt or truncated GGUF file {path}: {e}") from e
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ValueError(f"truncated GGUF file {path}: tensor {t.name} ends at byte "
+                             f"{t.data_offset + t.n_bytes}, the file has {size}")
+    return reader
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_hf_config(path: str):
+    """Build the transformers config that HF would make of this GGUF file."""
+    import transformers
+
+    reader = open_gguf(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; "
+                         f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
+    hf_arch = GGUF_ARCHITECTURES[arch]
+    cls = getattr(transformers, hf_arch.replace("ForCausalLM", "Config"))
+    key = lambda name, default=None: _field(reader, f"{arch}.{name}", default)  # noqa: E731
+    heads = key("attention.head_count")
+    hidden = key("embedding_length")
+    tensor_names = {t.name for t in reader.tensors}
+    vocab = key("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    kwargs = dict(
+        architectures=[hf_arch], vocab_size=vocab, hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"), num_hidden_layers=key("block_count"),
+        num_attention_heads=heads, num_key_value_heads=key("attention.head_count_kv", heads),
+        head_dim=key("attention.key_length", hidden // heads), max_position_embeddings=key("context_length"),
+        rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-6), rope_theta=key("rope.freq_base", 10000.0),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+    )
+    scaling = key("rope.scaling.type")
+    if scaling not in (None, "none"):
+        kwargs["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor"),
+                                  "original_max_position_embeddings": key("rope.scaling.original_context_length")}
+    config = cls(**kwargs)
+    if "rope_freqs.weight" in tensor_names:  # llama3 scaling as stored by llama.cpp: per-frequency divisors
+        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        config.rope_freq_factors = np.array(t.data, dtype=np.float32).tolist()
+    return config
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's convert-time row permutation of Q/K (as HF transformers does on load)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _LAYER_RE.fullmatch(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def iterate_gguf(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, fp32 tensor), each dequantized; Q/K un-permuted for llama-family files."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    permuted = _field(reader, "general.architecture") == "llama"
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            if t.name == "rope_freqs.weight":
+                continue
+            raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
+        try:
+            data = dequantize(t.data, GGMLQuantizationType(t.tensor_type))
+        except NotImplementedError as e:
+            raise ValueError(f"unsupported GGUF tensor type {t.tensor_type.name} for {t.name} in {path}") from e
+        tensor = torch.from_numpy(np.array(data, dtype=np.float32))  # a copy: GGUF F32 data is a read-only map
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = hf_config.num_attention_heads if "q_proj" in name else hf_config.num_key_value_heads
+            tensor = _unpermute_qk(tensor, heads)
+        yield name, tensor

@@ -1,0 +1,77 @@
+"""Where a model's config, tokenizer and weights come from: a HF directory or a single .gguf file."""
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from nanovllm.logger import log_once
+from nanovllm.models.registry import resolve_architecture
+from nanovllm.weights.gguf_loader import gguf_hf_config, iterate_gguf
+from nanovllm.weights.safetensors_loader import iterate_safetensors, safetensors_files
+
+TOKENIZER_CACHE = Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nanovllm")) / "tokenizers"
+
+
+def model_format(model: str) -> str:
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {model} (give a HF model directory or a .gguf file; "
+                                "nanovllm never downloads from a hub)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {model} is not a .gguf file; give a .gguf file or a HF model directory")
+        return "gguf"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model directory {model} has no config.json")
+    safetensors_files(path)
+    return "safetensors"
+
+
+def load_model_config(model: str):
+    """Return (HF config, format); unsupported architectures fail here, before any work."""
+    from transformers import AutoConfig
+
+    fmt = model_format(os.fspath(model))
+    if fmt == "gguf":
+        hf_config = gguf_hf_config(os.fspath(model))
+    else:
+        try:
+            hf_config = AutoConfig.from_pretrained(model)
+        except (ValueError, OSError, json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"cannot read {Path(model) / 'config.json'}: {e}") from e
+    resolve_architecture(hf_config)
+    return hf_config, fmt
+
+
+def _gguf_tokenizer_cache_dir(path: str) -> Path:
+    stat = os.stat(path)
+    key = hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return TOKENIZER_CACHE / key
+
+
+def load_tokenizer(model: str, tokenizer: str | None = None):
+    """The HF tokenizer; for GGUF it is built from the file's metadata once, then cached on disk."""
+    from transformers import AutoTokenizer
+
+    source = tokenizer or model
+    if model_format(source) != "gguf":
+        return AutoTokenizer.from_pretrained(source)
+    cache = _gguf_tokenizer_cache_dir(source)
+    if (cache / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(cache)
+    log_once(f"building the tokenizer from {source}'s GGUF metadata (cached in {cache})")
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(source)), gguf_file=os.path.basename(source))
+    try:
+        tok.save_pretrained(cache)
+    except OSError:
+        pass  # a read-only home only costs the rebuild next time
+    return tok
+
+
+def iterate_weights(model_config) -> Iterator[tuple[str, torch.Tensor]]:
+    if model_config.format == "gguf":
+        return iterate_gguf(model_config.model, model_config.hf_config)
+    return iterate_safetensors(Path(model_config.model))
