@@ -33,6 +33,8 @@ def decode_reference(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, s
     k = k_cache[tables].flatten(1, 2)  # [B, L, Hk, D]
     v = v_cache[tables].flatten(1, 2)
     mask = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None]
+    unwritten = ~mask[:, :, None, None]  # slots past each sequence's end may hold anything, NaN included
+    k, v = k.masked_fill(unwritten, 0), v.masked_fill(unwritten, 0)
     return _sdpa(q[:, None], k, v, scale, mask=mask[:, None, None, :])[:, 0]
 
 

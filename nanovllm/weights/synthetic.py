@@ -1,0 +1,121 @@
+"""Random-weight models at real shapes, written as HF model directories (config.json, safetensors, a
+tokenizer), so tests and benchmarks run where no model hub is reachable. Speed does not depend on values.
+
+    python -m nanovllm.weights.synthetic qwen3-0.6b /tmp/qwen3-0.6b
+"""
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+_BASE = dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+SHAPES = {
+    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
+                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, tie_word_embeddings=True),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0),
+    "llama3-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+                      intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5),
+    "tiny-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=True,
+                       rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                         original_max_position_embeddings=128)),
+    "tiny-qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=512, hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=1024, rope_theta=10000.0),
+    "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=64,
+                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=32, max_position_embeddings=1024, rope_theta=10000.0),
+}
+
+
+def _tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    h, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    q, kv, ff = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd, c["intermediate_size"]
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
+    if not c["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (c["vocab_size"], h)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
+                       p + "mlp.down_proj.weight": (h, ff)})
+        if c["model_type"] == "qwen2":
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if c["model_type"] == "qwen3":
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def _random(name: str, shape, generator, device) -> torch.Tensor:
+    """Scaled so activations and logits stay O(1): greedy choices are then far from ties."""
+    if name.endswith("norm.weight"):
+        return 1 + 0.1 * torch.randn(shape, generator=generator, device=device)
+    std = 0.02 if name.endswith("bias") else (2 if "embed_tokens" in name else 1) / math.sqrt(shape[-1])
+    return std * torch.randn(shape, generator=generator, device=device)
+
+
+def write_tokenizer(out: Path, vocab_size: int):
+    """A word-level tokenizer: ids 0-2 are <unk> <s> </s>, id i >= 3 is the word t{i}. It covers any
+    vocab size instantly."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    fast.save_pretrained(out)
+
+
+def write_model(shape: str | dict, out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                device: str | None = None) -> Path:
+    config = {**_BASE, **(SHAPES[shape] if isinstance(shape, str) else shape)}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    generator = torch.Generator(device).manual_seed(seed)
+    shard, shard_bytes, index, n, total = {}, 0, {}, 0, 0
+
+    def flush():
+        nonlocal shard, shard_bytes, n
+        if shard:
+            name = f"model-{n:05d}.safetensors"
+            save_file(shard, out / name, metadata={"format": "pt"})
+            index.update({k: name for k in shard})
+            shard, shard_bytes, n = {}, 0, n + 1
+
+    for name, tensor_shape in _tensor_shapes(config).items():
+        shard[name] = _random(name, tensor_shape, generator, device).to(dtype).cpu()
+        shard_bytes += shard[name].numel() * shard[name].element_size()
+        total += shard[name].numel() * shard[name].element_size()
+        if shard_bytes > 4 << 30:
+            flush()
+    flush()
+    json.dump({"metadata": {"total_size": total}, "weight_map": index}, open(out / "model.safetensors.index.json", "w"))
+    json.dump({**config, "torch_dtype": str(dtype).removeprefix("torch.")}, open(out / "config.json", "w"), indent=1)
+    write_tokenizer(out, config["vocab_size"])
+    return out
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("out_dir")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(write_model(args.shape, args.out_dir, getattr(torch, args.dtype), args.seed))

@@ -1,0 +1,48 @@
+import pytest
+import torch
+
+from nanovllm.weights.synthetic import write_model
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: a random-weight HF model directory (fp32 safetensors + tokenizer) of a tiny shape."""
+    made = {}
+
+    def make(shape: str = "tiny-llama") -> str:
+        if shape not in made:
+            made[shape] = str(write_model(shape, tmp_path_factory.mktemp(shape), torch.float32, device="cpu"))
+        return made[shape]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_dir):
+    """A shared engine on the tiny llama: tests that use it must leave it with no request in flight."""
+    from nanovllm import LLM
+
+    return LLM(tiny_model_dir("tiny-llama"), max_model_len=512, kv_cache_memory_bytes=64 << 20)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from nanovllm.weights.bundled import bundled_model_path
+
+    return bundled_model_path()
+
+
+def assert_no_leaks(llm):
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert not llm.llm_engine.scheduler.has_unfinished()

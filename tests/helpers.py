@@ -1,0 +1,18 @@
+import torch
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int):
+    """HF transformers' greedy generation of exactly max_new_tokens (EOS suppressed until then, as our
+    min_tokens does). Returns (token ids, raw log-softmax of each step's logits)."""
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    return tokens, [step[0].float().log_softmax(-1) for step in out.logits]
+
+
+def hf_prompt_logprobs(model, prompt_ids: list[int]) -> torch.Tensor:
+    """[len - 1, V] log-softmax predicting prompt token i + 1 from the tokens up to i."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids])).logits[0, :-1].float()
+    return logits.log_softmax(-1)

@@ -1,0 +1,141 @@
+"""Bad input: a clear error naming the problem, raised before any work, and the engine still usable."""
+import json
+import shutil
+
+import pytest
+from conftest import assert_no_leaks
+
+from nanovllm import LLM, SamplingParams
+
+OK = {"prompt_token_ids": [5, 6, 7]}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
+    ("presence_penalty", 3.0), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0), ("max_tokens", 0),
+    ("min_tokens", -1), ("logprobs", -1), ("prompt_logprobs", -3), ("stop", [""]), ("stop_token_ids", [-1]),
+    ("seed", 1.5),
+])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**{field: value})
+
+
+def test_min_tokens_above_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=10, max_tokens=5)
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ({"prompt_token_ids": []}, "empty"),
+    ("", "empty"),
+    ({"prompt_token_ids": [5, 512]}, r"\[0, 512\)"),
+    ({"prompt_token_ids": [-1, 5]}, r"\[0, 512\)"),
+    ({"prompt_token_ids": [5] * 513}, "max_model_len=512"),
+])
+def test_bad_prompts_fail_before_work_and_engine_survives(tiny_llm, prompt, message):
+    steps_before = tiny_llm.llm_engine.scheduler.num_preemptions
+    with pytest.raises(ValueError, match=message):
+        tiny_llm.generate([OK, prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not tiny_llm.llm_engine.has_unfinished_requests()  # nothing of the batch was queued
+    assert_no_leaks(tiny_llm)
+    assert tiny_llm.llm_engine.scheduler.num_preemptions == steps_before
+    out = tiny_llm.generate(OK, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_stop_token_id_outside_vocab(tiny_llm):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        tiny_llm.generate(OK, SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
+
+
+def test_bad_prompt_type(tiny_llm):
+    with pytest.raises(TypeError, match="prompt must be"):
+        tiny_llm.generate([OK, 42], use_tqdm=False)
+
+
+def test_missing_path():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM("/nonexistent/model")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(str(tmp_path))
+
+
+def test_unsupported_architecture(tiny_model_dir, tmp_path):
+    model = tmp_path / "gpt2"
+    shutil.copytree(tiny_model_dir("tiny-llama"), model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported model architecture.*LlamaForCausalLM"):
+        LLM(str(model))
+
+
+def test_corrupt_and_truncated_safetensors(tiny_model_dir, tmp_path):
+    for name, mangle in [("truncated", lambda b: b[: len(b) // 2]), ("corrupt", lambda b: b"\x00\xff" * 64)]:
+        model = tmp_path / name
+        shutil.copytree(tiny_model_dir("tiny-llama"), model)
+        shard = next(model.glob("*.safetensors"))
+        shard.write_bytes(mangle(shard.read_bytes()))
+        with pytest.raises(ValueError, match="corrupt or truncated safetensors"):
+            LLM(str(model), max_model_len=64)
+
+
+def test_corrupt_and_truncated_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x07" * 100)
+    with pytest.raises(ValueError, match="corrupt or truncated GGUF"):
+        LLM(str(bad))
+    not_gguf = tmp_path / "model.bin"
+    not_gguf.write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a .gguf file"):
+        LLM(str(not_gguf))
+
+
+def _write_gguf(path, tensor_type, truncate=False):
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    bs, nb = gguf.GGML_QUANT_SIZES[tensor_type]
+    w.add_tensor("token_embd.weight", np.zeros((8, 2 * nb), np.uint8), raw_dtype=tensor_type)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    if truncate:
+        data = path.read_bytes()
+        path.write_bytes(data[:-16])
+
+
+def test_gguf_unsupported_tensor_type_and_truncation(tmp_path):
+    from gguf import GGMLQuantizationType as T
+
+    _write_gguf(tmp_path / "q81.gguf", T.Q8_1)
+    with pytest.raises(ValueError, match="unsupported GGUF tensor type Q8_1"):
+        LLM(str(tmp_path / "q81.gguf"))
+    _write_gguf(tmp_path / "cut.gguf", T.Q8_0, truncate=True)
+    with pytest.raises(ValueError, match="truncated GGUF"):
+        LLM(str(tmp_path / "cut.gguf"))
+
+
+def test_kv_budget_too_small_says_what_to_raise(tiny_model_dir):
+    with pytest.raises(ValueError, match="raise kv_cache_memory_bytes"):
+        LLM(tiny_model_dir("tiny-llama"), max_model_len=1024, kv_cache_memory_bytes=1 << 16)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(max_model_len=10**6), "max_model_len"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(block_size=3), "block_size"), (dict(dtype="int8"), "dtype"), (dict(device="tpu"), "device"),
+    (dict(max_num_seqs=64, max_num_batched_tokens=32), "max_num_batched_tokens"),
+    (dict(attention_backend="magic"), "attention_backend"), (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+])
+def test_bad_engine_arguments(tiny_model_dir, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLM(tiny_model_dir("tiny-llama"), **kwargs)
+
+
+def test_unknown_argument(tiny_model_dir):
+    with pytest.raises(TypeError, match="no_such_arg"):
+        LLM(tiny_model_dir("tiny-llama"), no_such_arg=1)

@@ -1,0 +1,111 @@
+"""Scheduler, block manager and engine behaviour on the tiny llama: prefix caching, preemption,
+chunked prefill, ordering, and no leaked blocks."""
+import torch
+from conftest import assert_no_leaks
+
+from nanovllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def _token_prompts(n, seed=0, prefix=()):
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": list(prefix) + torch.randint(3, 512, (int(length),), generator=g).tolist()}
+            for length in torch.randint(1, 60, (n,), generator=g)]
+
+
+def _tokens(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def test_outputs_in_input_order(tiny_llm):
+    prompts = _token_prompts(10)
+    outs = tiny_llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == [p["prompt_token_ids"] for p in prompts]
+    alone = [tiny_llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts[:3]]
+    assert _tokens(outs[:3]) == _tokens(alone)
+    assert_no_leaks(tiny_llm)
+
+
+def test_prefix_caching_reuses_blocks_and_changes_nothing(tiny_model_dir):
+    path = tiny_model_dir("tiny-llama")
+    shared = list(range(3, 3 + 100))  # 6 full blocks of 16
+    prompts = _token_prompts(6, seed=1, prefix=shared)
+    cached = LLM(path, max_model_len=512, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=True)
+    plain = LLM(path, max_model_len=512, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False)
+    first = cached.generate(prompts[:1], GREEDY, use_tqdm=False)
+    rest = cached.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert all(o.num_cached_tokens >= 96 for o in rest)
+    assert cached.llm_engine.block_manager.num_cache_hit_blocks >= 5 * 6
+    assert _tokens(first + rest) == _tokens(plain.generate(prompts, GREEDY, use_tqdm=False))
+    assert plain.llm_engine.block_manager.num_cache_hit_blocks == 0
+    # a prompt fully covered by the cache still recomputes its last token (it needs logits)
+    again = cached.generate(prompts[:1], GREEDY, use_tqdm=False)
+    assert _tokens(again) == _tokens(first) and again[0].num_cached_tokens > 0
+    block_aligned = {"prompt_token_ids": shared[:96]}
+    cached.generate(block_aligned, GREEDY, use_tqdm=False)
+    twice = cached.generate(block_aligned, GREEDY, use_tqdm=False)
+    assert twice[0].num_cached_tokens == 80  # 96 tokens cached, but the last block is recomputed
+    for llm in (cached, plain):
+        assert_no_leaks(llm)
+
+
+def test_preemption_gives_identical_outputs(tiny_model_dir):
+    path = tiny_model_dir("tiny-llama")
+    prompts = _token_prompts(12, seed=2)
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=60, ignore_eos=True)
+    big = LLM(path, max_model_len=128, num_gpu_blocks_override=1000)
+    small = LLM(path, max_model_len=128, num_gpu_blocks_override=12)  # 192 tokens for 12 sequences
+    expected = _tokens(big.generate(prompts, params, use_tqdm=False))
+    small.llm_engine.model_runner.kv_cache.fill_(float("nan"))  # unwritten slots must never be read
+    assert _tokens(small.generate(prompts, params, use_tqdm=False)) == expected
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert big.llm_engine.scheduler.num_preemptions == 0
+    assert_no_leaks(small)
+    assert_no_leaks(big)
+
+
+def test_chunked_prefill_gives_identical_outputs(tiny_model_dir):
+    path = tiny_model_dir("tiny-llama")
+    prompts = _token_prompts(6, seed=3, prefix=list(range(3, 200)))
+    whole = LLM(path, max_model_len=512, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False)
+    chunked = LLM(path, max_model_len=512, kv_cache_memory_bytes=32 << 20, enable_prefix_caching=False,
+                  max_num_batched_tokens=64, max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+    a, b = whole.generate(prompts, params, use_tqdm=False), chunked.generate(prompts, params, use_tqdm=False)
+    assert _tokens(a) == _tokens(b)
+    for x, y in zip(a, b):
+        assert len(x.prompt_logprobs) == len(y.prompt_logprobs) == len(x.prompt_token_ids)
+        for ex, ey in zip(x.prompt_logprobs[1:], y.prompt_logprobs[1:]):
+            assert ex.keys() == ey.keys()
+            assert all(abs(ex[t].logprob - ey[t].logprob) < 1e-4 for t in ex)
+    assert_no_leaks(chunked)
+
+
+def test_max_model_len_ends_generation(tiny_model_dir):
+    llm = LLM(tiny_model_dir("tiny-llama"), max_model_len=40, num_gpu_blocks_override=10)
+    out = llm.generate({"prompt_token_ids": list(range(3, 33))}, SamplingParams(max_tokens=100, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 10 and out.outputs[0].finish_reason == "length"
+    assert_no_leaks(llm)
+
+
+def test_block_manager_frees_and_evicts_in_order():
+    from nanovllm.engine.block_manager import BlockManager
+    from nanovllm.engine.sequence import Sequence
+
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = Sequence("a", 0, list(range(10)), SamplingParams(), 0, 0)
+    assert bm.allocate_slots(a, 10) and len(a.block_table) == 3
+    b = Sequence("b", 0, list(range(7)), SamplingParams(), 0, 1)
+    assert not bm.allocate_slots(b, 7) and b.block_table == []  # nothing taken on failure
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)
+    assert len(bm.cached) == 2
+    hits = bm.find_cached_blocks(b)
+    assert hits == a.block_table[:1]  # b shares a's first block (4 tokens); its second block differs
+    bm.free(a)
+    assert bm.num_free_blocks == 4
+    assert bm.allocate_slots(b, 3, hits) and b.block_table[0] == hits[0]
+    assert bm.blocks[hits[0]].ref_count == 1 and bm.num_free_blocks == 2
+

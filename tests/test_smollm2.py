@@ -1,0 +1,67 @@
+"""The real bundled model (SmolLM2-135M-Instruct, GGUF Q4_1) in fp32 against HF transformers loading the
+same GGUF file: greedy tokens identical, logprobs and prompt logprobs within 1e-3."""
+import os
+
+import pytest
+import torch
+from conftest import assert_no_leaks
+from helpers import hf_greedy, hf_prompt_logprobs
+
+from nanovllm import LLM, SamplingParams
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue, for a ten-year-old who loves astronomy and asks a lot.",
+    "List three prime numbers.",
+    "hi",
+    "Translate 'good morning' into Spanish and German, then say which language has more speakers worldwide.",
+    "What does a compiler do?",
+    "Give me a recipe for pancakes with exact quantities, step by step, and a tip to make them fluffier.",
+    "Name a color.",
+]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_path):
+    return LLM(smollm2_path, dtype="float32", device="cpu", max_model_len=1024)
+
+
+def test_batched_greedy_tokens_and_logprobs_match_hf(llm, hf_model):
+    tok = llm.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+               for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, logprobs=2, prompt_logprobs=1)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    lengths = {len(o.prompt_token_ids) for o in outs}
+    assert len(outs) >= 8 and len(lengths) >= 6  # mixed lengths in one batch
+    worst = 0.0
+    for out in outs:
+        ids = out.prompt_token_ids
+        assert ids == tok(out.prompt).input_ids
+        tokens, step_logprobs = hf_greedy(hf_model, ids, NEW_TOKENS)
+        assert out.outputs[0].token_ids == tokens, f"diverged for {out.prompt!r}"
+        for entry, ref, token in zip(out.outputs[0].logprobs, step_logprobs, tokens):
+            worst = max(worst, abs(entry[token].logprob - ref[token].item()))
+        ref_prompt = hf_prompt_logprobs(hf_model, ids)
+        for pos, entry in enumerate(out.prompt_logprobs[1:]):
+            worst = max(worst, abs(entry[ids[pos + 1]].logprob - ref_prompt[pos, ids[pos + 1]].item()))
+    assert worst < 1e-3, worst
+    assert_no_leaks(llm)
+
+
+def test_chat_answers_sensibly(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"  # ends on <|im_end|>, which the text leaves out
+    assert "<|im_end|>" not in out.outputs[0].text

@@ -1,0 +1,47 @@
+"""Greedy tokens and logprobs of tiny random-weight Llama / Qwen2 / Qwen3 against HF transformers."""
+import pytest
+import torch
+from helpers import hf_greedy, hf_prompt_logprobs
+from transformers import AutoModelForCausalLM
+
+from nanovllm import LLM, SamplingParams
+
+
+def _prompts(n, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (int(length),), generator=g).tolist()
+            for length in torch.randint(3, 80, (n,), generator=g)]
+
+
+@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_greedy_matches_hf(tiny_model_dir, shape):
+    path = tiny_model_dir(shape)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, max_model_len=512, kv_cache_memory_bytes=32 << 20)
+    prompts = _prompts(6, 512)
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24, logprobs=3, prompt_logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        tokens, step_logprobs = hf_greedy(hf, prompt, 24)
+        assert out.outputs[0].token_ids == tokens
+        for entry, ref, token in zip(out.outputs[0].logprobs, step_logprobs, tokens):
+            assert abs(entry[token].logprob - ref[token].item()) < 1e-4
+            assert entry[token].rank == int((ref > ref[token]).sum()) + 1  # EOS, banned by min_tokens, may be above
+        ref_prompt = hf_prompt_logprobs(hf, prompt)
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for pos, entry in enumerate(out.prompt_logprobs[1:]):
+            token = prompt[pos + 1]
+            assert abs(entry[token].logprob - ref_prompt[pos, token].item()) < 1e-4
+            top = ref_prompt[pos].topk(2).indices.tolist()
+            assert all(t in entry for t in top)
+
+
+def test_llama3_rope_scaling_is_used(tiny_model_dir):
+    """tiny-llama has llama3 rope scaling; positions past the original context must still match HF."""
+    path = tiny_model_dir("tiny-llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, max_model_len=512, kv_cache_memory_bytes=32 << 20)
+    prompt = _prompts(1, 512, seed=3)[0] * 4  # past original_max_position_embeddings = 128
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16, min_tokens=16),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 16)[0]
