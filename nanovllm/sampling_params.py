@@ -54,7 +54,8 @@ class SamplingParams:
         _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
-        _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", "a non-empty string or a list of them", self.stop)
+        _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", "a non-empty string or a list of them",
+               self.stop)
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "a list of non-negative token ids", self.stop_token_ids)
         for name in ("logprobs", "prompt_logprobs"):

@@ -1,4 +1,4 @@
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]  # host copies, for backends that loop over sequences
     seq_lens_cpu: list[int]
+    scratch: dict = field(default_factory=dict)  # a backend's per-step values, computed at the first layer
 
     @property
     def num_seqs(self) -> int:

@@ -7,8 +7,10 @@ from nanovllm.attention import AttentionMetadata, get_attention_backend
 from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.embed_head import LMHead
+from nanovllm.layers.linear import CpuPackedLinearMethod, LinearBase, UnquantizedLinearMethod
 from nanovllm.layers.sampler import Sampler, SamplingTensors
-from nanovllm.logger import logger
+from nanovllm.logger import log_once, logger
 from nanovllm.models import get_model_class
 from nanovllm.weights.model_files import iterate_weights
 
@@ -65,7 +67,21 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         model.load_weights(iterate_weights(mc))
+        self._choose_linear_method(model)
         return model.eval()
+
+    def _choose_linear_method(self, model):
+        """fp32 on CPU runs oneDNN-packed weights when this torch build has them; otherwise F.linear."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return
+        if not CpuPackedLinearMethod.available():
+            log_once("oneDNN packed linear is not available in this torch build: CPU linears run F.linear")
+            return
+        log_once("CPU linears: oneDNN packed fp32 weights")
+        for module in model.modules():
+            if isinstance(module, (LinearBase, LMHead)) and type(module.linear_method) is UnquantizedLinearMethod:
+                module.linear_method = CpuPackedLinearMethod()
+                module.linear_method.process_weights_after_loading(module)
 
     # ---- KV cache -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:

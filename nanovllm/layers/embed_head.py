@@ -2,6 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.linear import LinearMethod, UnquantizedLinearMethod
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
@@ -17,10 +19,12 @@ class LMHead(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None):
         super().__init__()
+        self.bias = None
+        self.linear_method: LinearMethod = UnquantizedLinearMethod()
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        return self.linear_method.apply(self, hidden).float()
