@@ -31,11 +31,14 @@ class CpuPackedLinearMethod(UnquantizedLinearMethod):
 
     @staticmethod
     def available() -> bool:
+        """Present in this torch build and exact to fp32 rounding here (oneDNN may be set to compute fp32 in
+        bf16 or tf32 on some CPUs, which would break fidelity)."""
         try:
-            w = torch.ones(8, 8)
-            packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
-            out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 8), packed, None, "none", [], "")
-            return torch.allclose(out, torch.full((1, 8), 8.0))
+            g = torch.Generator().manual_seed(0)
+            w, x = torch.randn(256, 512, generator=g), torch.randn(33, 512, generator=g)
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+            out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+            return torch.allclose(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
         except (AttributeError, RuntimeError):
             return False
 

@@ -1,0 +1,69 @@
+"""GPU checks (run on the device): HF fidelity on CUDA, in fp32 (identical tokens) and bf16 (agreement rate)."""
+import pytest
+import torch
+from conftest import assert_no_leaks
+from transformers import AutoModelForCausalLM
+
+from nanovllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+SMALL = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=4096, hidden_size=256,
+             intermediate_size=768, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+             max_position_embeddings=2048, rope_theta=1000000.0, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    from nanovllm.weights.synthetic import write_model
+
+    return str(write_model(SMALL, tmp_path_factory.mktemp("small-qwen3"), torch.float32))
+
+
+def _prompts(n=8):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 4096, (int(k),), generator=g).tolist() for k in torch.randint(5, 300, (n,), generator=g)]
+
+
+def _agreement(small_model, dtype, new_tokens=32):
+    hf = AutoModelForCausalLM.from_pretrained(small_model, dtype=dtype).cuda().eval()
+    llm = LLM(small_model, device="cuda", dtype=dtype, max_model_len=1024, gpu_memory_utilization=0.5)
+    prompts = _prompts()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens), use_tqdm=False)
+    matched, total = 0, 0
+    for prompt, out in zip(prompts, outs):
+        ref = _hf_cuda_greedy(hf, prompt, new_tokens)
+        same = 0
+        for a, b in zip(out.outputs[0].token_ids, ref):
+            if a != b:
+                break
+            same += 1
+        matched, total = matched + same, total + new_tokens
+    assert_no_leaks(llm)
+    return matched / total
+
+
+def _hf_cuda_greedy(model, prompt, n):
+    ids = torch.tensor([prompt], device="cuda")
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_fp32_identical_to_hf_on_cuda(small_model):
+    assert _agreement(small_model, torch.float32) == 1.0
+
+
+def test_bf16_agreement_with_hf_on_cuda(small_model):
+    rate = _agreement(small_model, torch.bfloat16)
+    print(f"\nbf16 greedy agreement with HF (tokens before the first divergence): {rate:.1%}")
+    assert rate >= 0.5
+
+
+def test_gpu_kv_cache_sized_from_free_memory(small_model):
+    llm = LLM(small_model, device="cuda", gpu_memory_utilization=0.3)
+    free, total = torch.cuda.mem_get_info()
+    kv_bytes = llm.llm_engine.model_runner.kv_cache.numel() * llm.llm_engine.model_runner.kv_cache.element_size()
+    assert 0.1 * total < kv_bytes < 0.3 * total
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(small_model, device="cuda", gpu_memory_utilization=0.0001)
