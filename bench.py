@@ -1,11 +1,14 @@
-"""Offline throughput: nano-vLLM's workload (random token prompts, ignore_eos), our engine and, with --hf,
-HF transformers' batched generate on the same prompts in the same run. Prints one table.
+"""Offline throughput on nano-vLLM's workload (random token prompts, ignore_eos, temperature 0.6), and the
+single-stream decode and batched prefill figures, each against a physical limit measured in the same run.
 
-    python bench.py                                     # GPU: 256 seqs, in/out U[100,1024], Qwen3-0.6B shape
+    python bench.py                         # GPU: 256 seqs, in/out U[100,1024], Qwen3-0.6B shape, bf16
+    python bench.py --mode decode1 --model llama3-8b      # bs=1 decode vs the weight-read bound
+    python bench.py --mode prefill --model llama3-8b      # 8 x 4096-token prompts vs bf16 matmul peak
     python bench.py --device cpu --model smollm2 --num-seqs 32 --input-len 100 300 --output-len 128 128 --hf
 """
 import argparse
 import datetime
+import os
 import platform
 import random
 import tempfile
@@ -26,34 +29,68 @@ def resolve_model(name: str, dtype: torch.dtype) -> str:
     return name
 
 
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure_hbm_bandwidth() -> float:
+    """Bytes read plus written per second of a large device-to-device copy."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        b.copy_(a)
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 20 / (time.perf_counter() - start)
+
+
+def measure_bf16_flops() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    return 2 * 8192 ** 3 * 20 / (time.perf_counter() - start)
+
+
 def make_workload(args, vocab: int):
     rng = random.Random(args.seed)
-    prompts, out_lens = [], []
-    for _ in range(args.num_seqs):
-        n = rng.randint(*args.input_len)
-        prompts.append([rng.randint(100, vocab - 1) for _ in range(n)])
-        out_lens.append(rng.randint(*args.output_len))
+    prompts = [[rng.randint(100, vocab - 1) for _ in range(rng.randint(*args.input_len))] for _ in range(args.num_seqs)]
+    out_lens = [rng.randint(*args.output_len) for _ in range(args.num_seqs)]
     return prompts, out_lens
+
+
+def timed_generate(llm, prompts, params, device):
+    sync(device)
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    sync(device)
+    return time.perf_counter() - start, outs
 
 
 def run_ours(args, model, prompts, out_lens, dtype):
     llm = LLM(model, device=args.device, dtype=dtype, enforce_eager=args.enforce_eager,
               max_model_len=max(map(len, prompts)) + max(out_lens), max_num_seqs=args.max_num_seqs)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4), use_tqdm=False)
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, seed=i) for i, n in enumerate(out_lens)]
-    sync(args.device)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    sync(args.device)
-    seconds = time.perf_counter() - start
+    timed_generate(llm, prompts[:2], SamplingParams(max_tokens=4), args.device)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, seed=i, detokenize=False)
+              for i, n in enumerate(out_lens)]
+    runner = llm.llm_engine.model_runner
+    before = runner.bytes_read
+    seconds, outs = timed_generate(llm, prompts, params, args.device)
     assert [len(o.outputs[0].token_ids) for o in outs] == out_lens
-    return seconds
+    return seconds, runner.bytes_read - before, llm
 
 
 def run_hf(args, model, prompts, out_lens, dtype):
-    """HF transformers' generate, one padded batch (the output length is the workload's longest)."""
-    import os
-
+    """HF transformers' generate, one left-padded batch (every row generates the workload's longest output)."""
     from transformers import AutoModelForCausalLM
 
     kw = dict(gguf_file=os.path.basename(model)) if model.endswith(".gguf") else {}
@@ -72,16 +109,84 @@ def run_hf(args, model, prompts, out_lens, dtype):
         hf.generate(input_ids=ids.to(args.device), attention_mask=mask.to(args.device), max_new_tokens=n,
                     min_new_tokens=n, do_sample=True, temperature=0.6, top_k=0, pad_token_id=0)
     sync(args.device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, len(prompts) * n
 
 
-def sync(device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+def device_name(args) -> str:
+    if args.device.startswith("cuda"):
+        return torch.cuda.get_device_name()
+    return f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def header(args, dtype, extra=""):
+    return (f"\n| device | date | model | dtype | mode | config |\n|---|---|---|---|---|---|\n"
+            f"| {device_name(args)} | {datetime.date.today()} | {args.model} | {str(dtype).removeprefix('torch.')} "
+            f"| {args.mode} | {extra} |\n")
+
+
+def bench_throughput(args, model, dtype, vocab):
+    prompts, out_lens = make_workload(args, vocab)
+    total_out = sum(out_lens)
+    seconds, bytes_read, _ = run_ours(args, model, prompts, out_lens, dtype)
+    print(header(args, dtype, f"{args.num_seqs} seqs, input U{args.input_len} ({sum(map(len, prompts))} tok), "
+                              f"output U{args.output_len} ({total_out} tok), eager={args.enforce_eager}"))
+    print("| engine | output tokens | seconds | output tok/s | vs nanovllm | roofline |\n|---|---|---|---|---|---|")
+    roofline = ""
+    if args.device.startswith("cuda"):
+        bw = measure_hbm_bandwidth()
+        roofline = f"{bytes_read / bw / seconds:.0%} of HBM roofline ({bytes_read / 1e9:.0f} GB read, {bw / 1e12:.2f} TB/s)"
+    print(f"| nanovllm | {total_out} | {seconds:.2f} | {total_out / seconds:.0f} | 1.00x | {roofline} |")
+    if args.hf:
+        hf_seconds, hf_tokens = run_hf(args, model, prompts, out_lens, dtype)
+        ratio = (total_out / seconds) / (hf_tokens / hf_seconds)
+        print(f"| HF transformers generate (padded batch) | {hf_tokens} | {hf_seconds:.2f} | "
+              f"{hf_tokens / hf_seconds:.0f} | {1 / ratio:.2f}x | |")
+
+
+def bench_decode1(args, model, dtype):
+    """One sequence, 512 prompt tokens, 256 new tokens: tok/s against weights + KV bytes / HBM bandwidth."""
+    llm = LLM(model, device=args.device, dtype=dtype, enforce_eager=args.enforce_eager, max_model_len=1024,
+              max_num_seqs=1)
+    prompt = [random.Random(0).randint(100, 20000) for _ in range(512)]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=256, detokenize=False)
+    timed_generate(llm, [prompt], SamplingParams(max_tokens=8, detokenize=False), args.device)
+    prefill, _ = timed_generate(llm, [prompt], SamplingParams(max_tokens=1, detokenize=False), args.device)
+    seconds, _ = timed_generate(llm, [prompt], params, args.device)
+    decode_tps = 255 / (seconds - prefill)
+    runner = llm.llm_engine.model_runner
+    bw = measure_hbm_bandwidth()
+    kv_token = runner.kv_bytes_per_block() / runner.block_size
+    bound = bw / (runner.weight_bytes + kv_token * 640)
+    print(header(args, dtype, "bs=1, prompt 512, 256 new tokens, greedy"))
+    print("| decode tok/s | weight-read bound tok/s | ratio | weights GB | HBM TB/s |\n|---|---|---|---|---|")
+    print(f"| {decode_tps:.0f} | {bound:.0f} | {decode_tps / bound:.0%} | {runner.weight_bytes / 1e9:.2f} | {bw / 1e12:.2f} |")
+
+
+def bench_prefill(args, model, dtype, hf_config):
+    """8 prompts of 4096 tokens, one token each: prefill tok/s against the measured bf16 matmul peak."""
+    llm = LLM(model, device=args.device, dtype=dtype, max_model_len=4200, max_num_batched_tokens=8192,
+              enable_prefix_caching=False)
+    rng = random.Random(0)
+    prompts = [[rng.randint(100, 20000) for _ in range(4096)] for _ in range(8)]
+    params = SamplingParams(max_tokens=1, detokenize=False)
+    timed_generate(llm, prompts[:2], params, args.device)
+    seconds, _ = timed_generate(llm, prompts, params, args.device)
+    tps = 8 * 4096 / seconds
+    runner = llm.llm_engine.model_runner
+    params_count = runner.weight_bytes / torch.tensor([], dtype=dtype).element_size()
+    c = hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    attn_flops = 2 * c.num_hidden_layers * c.num_attention_heads * head_dim * 4096  # causal: half of 4 * L * H * D
+    flops_per_token = 2 * params_count + attn_flops
+    peak = measure_bf16_flops()
+    print(header(args, dtype, "8 x 4096-token prompts, max_num_batched_tokens 8192"))
+    print("| prefill tok/s | TFLOP/s achieved | bf16 matmul peak TFLOP/s | ratio |\n|---|---|---|---|")
+    print(f"| {tps:.0f} | {tps * flops_per_token / 1e12:.0f} | {peak / 1e12:.0f} | {tps * flops_per_token / peak:.0%} |")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", default="throughput", choices=["throughput", "decode1", "prefill"])
     ap.add_argument("--model", default="qwen3-0.6b", help="a path, 'smollm2', or a synthetic shape: " + ", ".join(SHAPES))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
@@ -95,26 +200,15 @@ def main():
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     model = resolve_model(args.model, dtype)
-    from transformers import AutoConfig
+    from nanovllm.weights.model_files import load_model_config
 
-    vocab = 49152 if model.endswith(".gguf") else AutoConfig.from_pretrained(model).vocab_size
-    prompts, out_lens = make_workload(args, vocab)
-    total_out = sum(out_lens)
-    rows = [("nanovllm", run_ours(args, model, prompts, out_lens, dtype), total_out)]
-    if args.hf:
-        rows.append(("HF transformers generate (padded batch)", run_hf(args, model, prompts, out_lens, dtype),
-                     len(prompts) * max(out_lens)))
-    if args.device.startswith("cuda"):
-        device = torch.cuda.get_device_name()
+    hf_config, _ = load_model_config(model)
+    if args.mode == "decode1":
+        bench_decode1(args, model, dtype)
+    elif args.mode == "prefill":
+        bench_prefill(args, model, dtype, hf_config)
     else:
-        device = f"CPU {platform.machine()}, {torch.get_num_threads()} threads"
-    print(f"\n| device | date | model | dtype | seqs | input | output |\n|---|---|---|---|---|---|---|\n"
-          f"| {device} | {datetime.date.today()} | {args.model} | {str(dtype).removeprefix('torch.')} | {args.num_seqs} "
-          f"| U{args.input_len} ({sum(map(len, prompts))} tok) | U{args.output_len} ({total_out} tok) |\n")
-    print("| engine | output tokens | seconds | output tok/s | vs nanovllm |\n|---|---|---|---|---|")
-    ours = rows[0][2] / rows[0][1]
-    for name, seconds, tokens in rows:
-        print(f"| {name} | {tokens} | {seconds:.2f} | {tokens / seconds:.1f} | {ours / (tokens / seconds):.2f}x |")
+        bench_throughput(args, model, dtype, hf_config.vocab_size)
 
 
 if __name__ == "__main__":

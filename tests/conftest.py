@@ -1,5 +1,10 @@
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton kernels run in the interpreter on CPU
 
 from nanovllm.weights.synthetic import write_model
 

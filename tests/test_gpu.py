@@ -67,3 +67,36 @@ def test_gpu_kv_cache_sized_from_free_memory(small_model):
     assert 0.1 * total < kv_bytes < 0.3 * total
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         LLM(small_model, device="cuda", gpu_memory_utilization=0.0001)
+
+
+def test_cuda_graphs_match_eager(small_model):
+    prompts = [{"prompt_token_ids": p} for p in _prompts(12)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    outs = []
+    for eager in (False, True):
+        llm = LLM(small_model, device="cuda", dtype=torch.bfloat16, max_model_len=1024, gpu_memory_utilization=0.3,
+                  enforce_eager=eager)
+        assert (llm.llm_engine.model_runner.graphs is None) == eager
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=32, ignore_eos=True)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)])
+        assert_no_leaks(llm)
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[0] == outs[2] and outs[1] == outs[3]
+
+
+def test_triton_backend_matches_torch_backend_on_cuda(small_model):
+    prompts = [{"prompt_token_ids": p} for p in _prompts(6)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=1, logprobs=1)
+    results = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(small_model, device="cuda", dtype=torch.float32, max_model_len=1024, gpu_memory_utilization=0.3,
+                  attention_backend=backend, max_num_batched_tokens=256)  # chunked prefill over cached prefixes
+        results[backend] = llm.generate(prompts, params, use_tqdm=False)
+        del llm
+        torch.cuda.empty_cache()
+    for a, b in zip(results["torch"], results["triton"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for ea, eb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert all(abs(ea[t].logprob - eb[t].logprob) < 1e-3 for t in ea)

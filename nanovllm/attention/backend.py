@@ -12,6 +12,7 @@ class AttentionBackend:
     """
 
     name = "abstract"
+    supports_cuda_graphs = False  # True: decode reads only device tensors, so a captured graph can replay it
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
                 v_cache: torch.Tensor | None, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -18,10 +18,10 @@ class AttentionMetadata:
     num_decodes: int               # the first num_decodes sequences have one new token each
     max_query_len: int
     max_seq_len: int
-    query_start_loc_cpu: list[int]  # host copies, for backends that loop over sequences
-    seq_lens_cpu: list[int]
+    query_start_loc_cpu: list[int] | None  # host copies, for backends that loop over sequences (None in a
+    seq_lens_cpu: list[int] | None         # captured CUDA graph, whose backend reads only device tensors)
     scratch: dict = field(default_factory=dict)  # a backend's per-step values, computed at the first layer
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens_cpu)
+        return self.seq_lens.shape[0]

@@ -5,6 +5,7 @@ import torch
 
 from nanovllm.attention import AttentionMetadata, get_attention_backend
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import LMHead
@@ -50,12 +51,32 @@ class ModelRunner:
         self.stop_token_ids = sorted(stop_token_ids)
         self.model = self._load_model()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        backend = get_attention_backend(config.attention_backend, config.device)
+        self.backend = get_attention_backend(config.attention_backend, config.device, mc.max_model_len)
         for layer in self.attention_layers:
-            layer.backend = backend
+            layer.backend = self.backend
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         self.sampler = Sampler()
+        self.graphs = self._capture_cuda_graphs()
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        self.bytes_read = 0  # weights + KV context read by every step so far (benchmarks' HBM roofline)
+
+    def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
+        if self.device.type != "cuda":
+            return None
+        if self.config.enforce_eager:
+            log_once("enforce_eager=True: decode runs eagerly, without CUDA graphs")
+            return None
+        if not self.backend.supports_cuda_graphs:
+            log_once(f"the {self.backend.name} attention backend cannot be captured: decode runs eagerly")
+            return None
+        mc = self.config.model_config
+        graphs = CUDAGraphRunner(self.model, min(self.config.max_num_seqs, 512),
+                                 -(-mc.max_model_len // self.block_size), mc.max_model_len, self.block_size,
+                                 self.num_blocks, mc.hf_config.hidden_size, self.dtype, self.device)
+        graphs.capture()
+        logger.info(f"captured CUDA graphs for decode batch sizes {graphs.batch_sizes[0]}..{graphs.batch_sizes[-1]}")
+        return graphs
 
     def _load_model(self):
         mc = self.config.model_config
@@ -155,8 +176,10 @@ class ModelRunner:
         del hidden, logits
 
     def _allocate_kv_cache(self):
+        """One block more than the block manager hands out: the scratch block that CUDA-graph padding rows use."""
         layer = self.attention_layers[0]
-        shape = (2, len(self.attention_layers), self.num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+        shape = (2, len(self.attention_layers), self.num_blocks + 1, self.block_size, layer.num_kv_heads,
+                 layer.head_dim)
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
@@ -246,7 +269,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> RunnerOutput:
         input_ids, positions, meta = self.prepare_inputs(seqs)
-        hidden = self.model(input_ids, positions, meta)
+        self.bytes_read += self.weight_bytes + sum(meta.seq_lens_cpu) * self.kv_bytes_per_block() // self.block_size
+        if self.graphs is not None and meta.num_decodes == len(seqs) and self.graphs.can_run(len(seqs)):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         prompt_logprobs = self._prompt_logprobs(seqs, hidden, meta.query_start_loc_cpu)
         sample_idx = [i for i, s in enumerate(seqs) if s.is_prefill_done]
         sampled: list[int | None] = [None] * len(seqs)

@@ -1,0 +1,27 @@
+"""The GPU default: Triton paged attention (store, split-K decode, varlen prefill over a cached prefix)."""
+
+from nanovllm.attention.backend import AttentionBackend
+from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.torch_backend import TorchAttentionBackend
+from nanovllm.kernels.kv_store import store_kv
+from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode, paged_prefill
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def __init__(self, max_model_len: int):
+        # The split count depends on max_model_len only, so eager steps and every CUDA-graph bucket add the
+        # same partial sums in the same order (identical tokens with or without graphs).
+        self.decode_splits = decode_num_splits(max_model_len)
+        self._reference = TorchAttentionBackend()  # for the memory-profiling run, which has no cache
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        if k_cache is None:
+            return self._reference.forward(q, k, v, None, None, meta, scale)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.num_decodes == meta.num_seqs:
+            return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, self.decode_splits)
+        return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                             meta.max_query_len, scale)

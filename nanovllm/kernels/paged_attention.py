@@ -1,0 +1,165 @@
+"""Paged attention in Triton over a KV cache of [num_blocks, block_size, kv_heads, head_dim].
+
+- decode: one query token per sequence, split-K over the context (flash-decoding) so that few long
+  sequences still fill the GPU; a second kernel merges the splits' partial softmax states.
+- prefill: variable-length causal attention of each sequence's new tokens, which may follow a cached
+  prefix; every key (prefix and new) is read from the cache, where store_kv has just written the new ones.
+References: attention.torch_backend.decode_reference / prefill_reference.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+                         acc_ptr, m_ptr, denom_ptr, scale,
+                         stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D_PAD)
+    heads = kv_head * GROUP + g
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=(g[:, None] < GROUP) & (d[None, :] < HEAD_DIM), other=0.0)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        offs = n + tl.arange(0, BLOCK_N)
+        valid = offs < end
+        page = tl.load(block_tables_ptr + seq * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
+        base = page * stride_cb + (offs % PAGE) * stride_cs + kv_head * stride_ch
+        kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m = m_new
+    part = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
+    row_ok = g < GROUP
+    tl.store(m_ptr + part, m, mask=row_ok)
+    tl.store(denom_ptr + part, denom, mask=row_ok)
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _decode_merge_kernel(acc_ptr, m_ptr, denom_ptr, out_ptr, stride_ot, stride_oh, num_heads,
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, D_PAD)
+    part = (seq * num_heads + head) * NUM_SPLITS + splits
+    m = tl.load(m_ptr + part)
+    denom = tl.load(denom_ptr + part)
+    m_max = tl.max(m, 0)
+    weight = tl.where(denom > 0, tl.exp(m - m_max), 0.0)  # empty splits (m = -inf) weigh nothing
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=d[None, :] < HEAD_DIM, other=0.0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(denom * weight, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def decode_num_splits(max_model_len: int) -> int:
+    """Splits of the context per (sequence, kv head): about one per 512 tokens of the longest possible
+    context, up to 32. Splits past a sequence's end exit at once, so short contexts pay little for them."""
+    return max(1, min(32, triton.next_power_of_2(triton.cdiv(max_model_len, 512))))
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out=None, workspace=None):
+    """q: [B, H, D] -> [B, H, D]. num_splits is fixed by the caller (a CUDA graph bakes the grid in)."""
+    B, H, D = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = H // num_kv_heads
+    out = torch.empty_like(q) if out is None else out
+    if workspace is None:
+        workspace = decode_workspace(B, H, D, num_splits, q.device)
+    acc, m, lse = (w[:B * H * num_splits] for w in workspace)
+    _decode_split_kernel[(B, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, acc, m, lse, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, D_PAD=triton.next_power_of_2(D),
+        PAGE=page, BLOCK_N=64, NUM_SPLITS=num_splits, num_warps=4)
+    _decode_merge_kernel[(B, H)](acc, m, lse, out, out.stride(0), out.stride(1), H,
+                                 HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=num_splits)
+    return out
+
+
+def decode_workspace(num_seqs, num_heads, head_dim, num_splits, device):
+    n = num_seqs * num_heads * num_splits
+    return (torch.empty(n * head_dim, dtype=torch.float32, device=device),
+            torch.empty(n, dtype=torch.float32, device=device), torch.empty(n, dtype=torch.float32, device=device))
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len
+    kv_head = head // GROUP
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < q_len
+    pos = prefix + rows  # absolute position of each query row
+    d = tl.arange(0, D_PAD)
+    d_ok = d[None, :] < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok, other=0.0)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)  # causal: no key past the tile's last row
+    for n in range(0, end, BLOCK_N):
+        offs = n + tl.arange(0, BLOCK_N)
+        valid = offs < end
+        page = tl.load(block_tables_ptr + seq * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
+        base = page * stride_cb + (offs % PAGE) * stride_cs + kv_head * stride_ch
+        k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=valid[:, None] & d_ok, other=0.0)
+        v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=valid[:, None] & d_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.where(valid[None, :] & (offs[None, :] <= pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m = m_new
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+
+
+def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, out=None):
+    """q: [T, H, D] (sequences concatenated) -> [T, H, D]; keys come from the cache."""
+    T, H, D = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q) if out is None else out
+    block_m = 64 if max_query_len > 32 else 16
+    grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), H)
+    _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
+                          q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+                          GROUP=H // num_kv_heads, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), PAGE=page,
+                          BLOCK_M=block_m, BLOCK_N=64, num_warps=4)
+    return out

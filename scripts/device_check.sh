@@ -1,0 +1,17 @@
+#!/bin/bash
+# One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
+#   bash scripts/device_check.sh [tests|bench|all]
+set -uo pipefail
+export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+what=${1:-all}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest -q -s -p no:cacheprovider tests/test_triton_kernels.py tests/test_gpu.py tests/test_layers.py 2>&1 \
+    | grep -v "Loading weights" | tee "$OUT/gpu_tests.log" | tail -25
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 bench.py 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -8
+  python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO | tee "$OUT/bench_decode1_qwen3.md" | tail -5
+fi
