@@ -16,7 +16,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
                          acc_ptr, m_ptr, denom_ptr, scale,
                          stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -41,13 +42,13 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         m = m_new
     part = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
     row_ok = g < GROUP
@@ -73,6 +74,11 @@ def _decode_merge_kernel(acc_ptr, m_ptr, denom_ptr, out_ptr, stride_ot, stride_o
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def _precision(q: torch.Tensor) -> str:
+    """fp32 dots in true fp32 (Triton's default for fp32 is tf32, which would break fp32 fidelity)."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
 def decode_num_splits(max_model_len: int) -> int:
     """Splits of the context per (sequence, kv head): about one per 512 tokens of the longest possible
     context, up to 32. Splits past a sequence's end exit at once, so short contexts pay little for them."""
@@ -92,7 +98,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
         q, k_cache, v_cache, block_tables, seq_lens, acc, m, lse, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, D_PAD=triton.next_power_of_2(D),
-        PAGE=page, BLOCK_N=64, NUM_SPLITS=num_splits, num_warps=4)
+        PAGE=page, BLOCK_N=64, NUM_SPLITS=num_splits, PRECISION=_precision(q), num_warps=4)
     _decode_merge_kernel[(B, H)](acc, m, lse, out, out.stride(0), out.stride(1), H,
                                  HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=num_splits)
     return out
@@ -108,7 +114,7 @@ def decode_workspace(num_seqs, num_heads, head_dim, num_splits, device):
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     tile = tl.program_id(1)
     head = tl.program_id(2)
@@ -137,13 +143,13 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
         base = page * stride_cb + (offs % PAGE) * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=valid[:, None] & d_ok, other=0.0)
         v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=valid[:, None] & d_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
         s = tl.where(valid[None, :] & (offs[None, :] <= pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
         denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
         m = m_new
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
@@ -161,5 +167,5 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 
                           q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
                           GROUP=H // num_kv_heads, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), PAGE=page,
-                          BLOCK_M=block_m, BLOCK_N=64, num_warps=4)
+                          BLOCK_M=block_m, BLOCK_N=64, PRECISION=_precision(q), num_warps=4)
     return out
