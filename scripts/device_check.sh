@@ -14,4 +14,11 @@ fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench.py 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -8
   python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO | tee "$OUT/bench_decode1_qwen3.md" | tail -5
+  python3 scripts/profile_step.py qwen3-0.6b 256 2>&1 | grep -v INFO | head -30 > "$OUT/profile_step.txt"
+  head -3 "$OUT/profile_step.txt"
+fi
+if [[ $what == big ]]; then
+  python3 -m nanovllm.weights.synthetic llama3-8b /tmp/llama3-8b >/dev/null
+  python3 bench.py --mode decode1 --model /tmp/llama3-8b 2>&1 | grep -v INFO | tee "$OUT/bench_decode1_llama3.md" | tail -5
+  python3 bench.py --mode prefill --model /tmp/llama3-8b 2>&1 | grep -v INFO | tee "$OUT/bench_prefill_llama3.md" | tail -5
 fi

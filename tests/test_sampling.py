@@ -5,7 +5,7 @@ from conftest import assert_no_leaks
 from transformers import AutoModelForCausalLM
 
 from nanovllm import SamplingParams
-from nanovllm.layers.sampler import Sampler, SamplingTensors, apply_penalties, apply_top_k_top_p, exponential_noise
+from nanovllm.layers.sampler import Sampler, SamplingTensors, apply_penalties, apply_top_k_top_p, gumbel_argmax_reference
 
 PROMPT = {"prompt_token_ids": [5, 99, 23, 400, 17, 256, 8]}
 OTHERS = [{"prompt_token_ids": [i + 3, 2 * i + 9, 100 + i]} for i in range(6)]
@@ -151,7 +151,7 @@ def test_sampling_frequencies_follow_probabilities():
     draws = 20000
     seeds = torch.full((draws,), 42)
     steps = torch.arange(draws)
-    picks = (probs[None, :] / exponential_noise(seeds, steps, 4)).argmax(-1)
+    picks = gumbel_argmax_reference(probs.log()[None, :].expand(draws, 4), seeds, steps)
     freq = torch.bincount(picks, minlength=4).float() / draws
     assert torch.allclose(freq, probs, atol=0.015)
 

@@ -102,3 +102,19 @@ def test_store_kv_matches_reference(dtype):
     store_kv(k, v, caches[0], caches[1], slots)
     store_kv_reference(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("vocab", [300, 4099] if DEVICE == "cpu" else [300, 4099, 151936])
+def test_gumbel_argmax_matches_reference(vocab):
+    from nanovllm.kernels.sampling import gumbel_argmax
+    from nanovllm.layers.sampler import gumbel_argmax_reference
+
+    g = torch.Generator().manual_seed(4)
+    rows = 5 if DEVICE == "cpu" else 64
+    logits = (torch.randn(rows, vocab, generator=g) * 2).to(DEVICE)
+    logits[0, vocab // 2:] = float("-inf")  # filtered tokens are never drawn
+    seeds = torch.randint(0, 1 << 32, (rows,), generator=g).to(DEVICE)
+    steps = torch.randint(0, 5000, (rows,), generator=g).to(DEVICE)
+    got = gumbel_argmax(logits, seeds, steps)
+    assert got.tolist() == gumbel_argmax_reference(logits, seeds, steps).tolist()
+    assert got[0] < vocab // 2

@@ -56,7 +56,7 @@ class ModelRunner:
             layer.backend = self.backend
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
-        self.sampler = Sampler()
+        self.sampler = Sampler(use_triton=self.backend.name == "triton")
         self.graphs = self._capture_cuda_graphs()
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         self.bytes_read = 0  # weights + KV context read by every step so far (benchmarks' HBM roofline)
@@ -188,7 +188,7 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------------
     def _to_device(self, array, dtype) -> torch.Tensor:
-        t = torch.from_numpy(np.asarray(array)).to(dtype)
+        t = torch.from_numpy(np.asarray(array, dtype=np.int64 if dtype == torch.int64 else None)).to(dtype)
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
@@ -199,12 +199,16 @@ class ModelRunner:
         starts, seq_lens = [0], []
         for seq in seqs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            pos = np.arange(start, end)
-            table = np.asarray(seq.block_table)
-            ids.append(seq.token_ids[start:end])
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            starts.append(starts[-1] + end - start)
+            if end - start == 1:  # decode: plain ints, no per-sequence arrays (this loop runs for every sequence)
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, end)
+                ids.extend(seq.token_ids[start:end])
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(seq.block_table)[pos // bs] * bs + pos % bs).tolist())
+            starts.append(end - start + starts[-1])
             seq_lens.append(end)
         width = max(len(s.block_table) for s in seqs)
         tables = np.zeros((len(seqs), width), dtype=np.int32)
@@ -212,14 +216,13 @@ class ModelRunner:
             tables[i, :len(seq.block_table)] = seq.block_table
         num_decodes = sum(1 for s in seqs if s.num_scheduled_tokens == 1)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(np.concatenate(slots), torch.int64),
+            slot_mapping=self._to_device(slots, torch.int64),
             query_start_loc=self._to_device(starts, torch.int32),
             seq_lens=self._to_device(seq_lens, torch.int32),
             block_tables=self._to_device(tables, torch.int32),
             num_decodes=num_decodes, max_query_len=max(np.diff(starts)), max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
-        input_ids = self._to_device(np.concatenate([np.asarray(i, dtype=np.int64) for i in ids]), torch.int64)
-        return input_ids, self._to_device(np.concatenate(positions), torch.int64), meta
+        return self._to_device(ids, torch.int64), self._to_device(positions, torch.int64), meta
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [s.params for s in seqs]

@@ -27,6 +27,11 @@ def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int)
     return -torch.log(uniform)
 
 
+def gumbel_argmax_reference(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """A categorical draw from softmax(logits) per row: argmax(logits - log E), E ~ Exp(1)."""
+    return (logits - torch.log(exponential_noise(seeds, steps, logits.shape[-1]))).argmax(-1)
+
+
 @dataclass
 class SamplingTensors:
     temperature: torch.Tensor        # [B] float, 0 = greedy
@@ -67,6 +72,13 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
 
 
 class Sampler:
+    def __init__(self, use_triton: bool = False):
+        self.draw = gumbel_argmax_reference
+        if use_triton:
+            from nanovllm.kernels.sampling import gumbel_argmax
+
+            self.draw = gumbel_argmax
+
     def __call__(self, logits: torch.Tensor, t: SamplingTensors):
         """logits: [B, V] fp32, raw from the model. Returns (token ids [B], raw logprobs [B, V] or None)."""
         logprobs = logits.log_softmax(-1) if t.max_logprobs >= 0 else None
@@ -85,6 +97,5 @@ class Sampler:
             logits = logits.masked_fill(too_unlikely, float("-inf"))
         if t.any_top_k_p:
             logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
-        probs = logits.softmax(-1)
-        sampled = (probs / exponential_noise(t.seeds, t.steps, logits.shape[-1])).argmax(-1)
+        sampled = self.draw(logits, t.seeds, t.steps)
         return torch.where(t.temperature > 0, sampled, greedy), logprobs

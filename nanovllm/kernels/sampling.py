@@ -1,0 +1,45 @@
+"""Seeded categorical sampling in one pass over the logits: argmax(logits - log E), E ~ Exp(1) drawn from a
+counter-based hash of (seed, step, token id). Reference: layers.sampler.gumbel_argmax_reference."""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mix32(x):
+    # int64 arithmetic on values below 2**32 with multipliers below 2**31, exactly as the torch reference
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, out_ptr, vocab, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    seed = tl.load(seeds_ptr + row).to(tl.int64)
+    step = tl.load(steps_ptr + row).to(tl.int64)
+    key = _mix32(seed ^ _mix32(step + 0x3C6EF372))
+    best = float("-inf")
+    best_idx = 0
+    for start in range(0, vocab, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < vocab
+        logit = tl.load(logits_ptr + row * stride + offs, mask=ok, other=float("-inf")).to(tl.float32)
+        bits = _mix32((key + offs.to(tl.int64) * 0x9E3779B9) & 0xFFFFFFFF)
+        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        score = tl.where(ok, logit - tl.log(-tl.log(uniform)), float("-inf"))
+        block_best = tl.max(score, 0)
+        if block_best > best:  # strict: ties keep the earliest index, as torch.argmax
+            best = block_best
+            best_idx = start + tl.argmax(score, 0)
+    tl.store(out_ptr + row, best_idx)
+
+
+def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """logits: [B, V] (filtered entries -inf) -> sampled token ids [B] int64."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    _gumbel_argmax_kernel[(logits.shape[0],)](logits, seeds, steps, out, logits.shape[1], logits.stride(0),
+                                              BLOCK=2048 if logits.is_cuda else 256, num_warps=8)
+    return out
