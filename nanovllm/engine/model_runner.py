@@ -215,19 +215,25 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             tables[i, :len(seq.block_table)] = seq.block_table
         num_decodes = sum(1 for s in seqs if s.num_scheduled_tokens == 1)
+        n, b = len(ids), len(seqs)
+        # one host-to-device copy for the whole step's integers, cut into views on the device
+        packed = self._to_device(np.concatenate([ids, positions, slots, starts, seq_lens, tables.ravel()]), torch.int64)
+        small = packed[3 * n:].to(torch.int32)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots, torch.int64),
-            query_start_loc=self._to_device(starts, torch.int32),
-            seq_lens=self._to_device(seq_lens, torch.int32),
-            block_tables=self._to_device(tables, torch.int32),
+            slot_mapping=packed[2 * n:3 * n], query_start_loc=small[:b + 1], seq_lens=small[b + 1:2 * b + 1],
+            block_tables=small[2 * b + 1:].view(b, width),
             num_decodes=num_decodes, max_query_len=max(np.diff(starts)), max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
-        return self._to_device(ids, torch.int64), self._to_device(positions, torch.int64), meta
+        return packed[:n], packed[n:2 * n], meta
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [s.params for s in seqs]
-        f32 = lambda values: self._to_device(np.asarray(values, dtype=np.float32), torch.float32)  # noqa: E731
-        i64 = lambda values: self._to_device(np.asarray(values, dtype=np.int64), torch.int64)  # noqa: E731
+        # every per-row knob in two arrays: two host-to-device copies a step instead of eleven
+        floats = self._to_device(np.array([[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                                            p.repetition_penalty] for p in params], dtype=np.float32).T.copy(),
+                                 torch.float32)
+        ints = self._to_device(np.array([[p.top_k or self.vocab_size, s.seed, s.num_output_tokens]
+                                         for p, s in zip(params, seqs)], dtype=np.int64).T.copy(), torch.int64)
         counts = prompt_mask = None
         if any(p.has_penalties for p in params):
             counts, prompt_mask = self._token_occurrences(seqs)
@@ -237,16 +243,12 @@ class ModelRunner:
                 stops = self.stop_token_ids + seq.params.stop_token_ids
                 banned_rows += [row] * len(stops)
                 banned_ids += stops
+        banned = self._to_device(np.array([banned_rows, banned_ids], dtype=np.int64), torch.int64) if banned_rows else None
         logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
         return SamplingTensors(
-            temperature=f32([p.temperature for p in params]), top_p=f32([p.top_p for p in params]),
-            top_k=i64([p.top_k or self.vocab_size for p in params]), min_p=f32([p.min_p for p in params]),
-            seeds=i64([s.seed for s in seqs]), steps=i64([s.num_output_tokens for s in seqs]),
-            presence_penalty=f32([p.presence_penalty for p in params]),
-            frequency_penalty=f32([p.frequency_penalty for p in params]),
-            repetition_penalty=f32([p.repetition_penalty for p in params]),
-            output_counts=counts, prompt_mask=prompt_mask,
-            banned=(i64(banned_rows), i64(banned_ids)) if banned_rows else None,
+            temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
+            frequency_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0], seeds=ints[1], steps=ints[2],
+            output_counts=counts, prompt_mask=prompt_mask, banned=(banned[0], banned[1]) if banned_rows else None,
             all_greedy=all(p.greedy for p in params),
             any_top_k_p=any(p.top_k or p.top_p < 1 for p in params), any_min_p=any(p.min_p > 0 for p in params),
             max_logprobs=max(logprob_counts, default=-1))
@@ -284,7 +286,8 @@ class ModelRunner:
         if sample_idx:
             rows = [meta.query_start_loc_cpu[i + 1] - 1 for i in sample_idx]
             sample_seqs = [seqs[i] for i in sample_idx]
-            logits = self.model.compute_logits(hidden[self._to_device(rows, torch.int64)])
+            picked = hidden if len(rows) == hidden.shape[0] else hidden[self._to_device(rows, torch.int64)]
+            logits = self.model.compute_logits(picked)
             tensors = self.prepare_sampling(sample_seqs)
             tokens, raw_logprobs = self.sampler(logits, tensors)
             token_list = tokens.tolist()
