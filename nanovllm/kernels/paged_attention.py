@@ -12,6 +12,32 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, n, end, kv_head, d, d_ok,
+                  stride_bt, stride_cb, stride_cs, stride_ch, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K and V of context positions n .. n + BLOCK_N of one sequence and kv head, looked up page by page."""
+    offs = n + tl.arange(0, BLOCK_N)
+    valid = offs < end
+    page = tl.load(block_tables_ptr + seq * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
+    base = page * stride_cb + (offs % PAGE) * stride_cs + kv_head * stride_ch
+    k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=valid[:, None] & d_ok, other=0.0)
+    v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=valid[:, None] & d_ok, other=0.0)
+    return offs, valid, k, v
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, allowed, m, denom, acc, scale, PRECISION: tl.constexpr):
+    """Fold one tile of keys into the running max, denominator and weighted sum (flash attention)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    denom = denom * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
+    return m_new, denom, acc
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                          acc_ptr, m_ptr, denom_ptr, scale,
                          stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
@@ -34,22 +60,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+    d_ok = d[None, :] < HEAD_DIM
     for n in range(start, end, BLOCK_N):
-        offs = n + tl.arange(0, BLOCK_N)
-        valid = offs < end
-        page = tl.load(block_tables_ptr + seq * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
-        base = page * stride_cb + (offs % PAGE) * stride_cs + kv_head * stride_ch
-        kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-        m = m_new
+        offs, valid, k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, n, end, kv_head, d, d_ok,
+                                          stride_bt, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N)
+        m, denom, acc = _online_softmax_step(q, k, v, valid[None, :], m, denom, acc, scale, PRECISION)
     part = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
     row_ok = g < GROUP
     tl.store(m_ptr + part, m, mask=row_ok)
@@ -137,20 +152,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)  # causal: no key past the tile's last row
     for n in range(0, end, BLOCK_N):
-        offs = n + tl.arange(0, BLOCK_N)
-        valid = offs < end
-        page = tl.load(block_tables_ptr + seq * stride_bt + offs // PAGE, mask=valid, other=0).to(tl.int64)
-        base = page * stride_cb + (offs % PAGE) * stride_cs + kv_head * stride_ch
-        k = tl.load(k_cache_ptr + base[:, None] + d[None, :], mask=valid[:, None] & d_ok, other=0.0)
-        v = tl.load(v_cache_ptr + base[:, None] + d[None, :], mask=valid[:, None] & d_ok, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale
-        s = tl.where(valid[None, :] & (offs[None, :] <= pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
-        m = m_new
+        offs, valid, k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, n, end, kv_head, d, d_ok,
+                                          stride_bt, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N)
+        allowed = valid[None, :] & (offs[None, :] <= pos[:, None])
+        m, denom, acc = _online_softmax_step(q, k, v, allowed, m, denom, acc, scale, PRECISION)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
