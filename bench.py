@@ -155,8 +155,7 @@ def bench_decode1(args, model, dtype):
     decode_tps = 255 / (seconds - prefill)
     runner = llm.llm_engine.model_runner
     bw = measure_hbm_bandwidth()
-    kv_token = runner.kv_bytes_per_block() / runner.block_size
-    bound = bw / (runner.weight_bytes + kv_token * 640)
+    bound = bw / (runner.weight_bytes + runner.kv_bytes_per_token * 640)
     print(header(args, dtype, "bs=1, prompt 512, 256 new tokens, greedy"))
     print("| decode tok/s | weight-read bound tok/s | ratio | weights GB | HBM TB/s |\n|---|---|---|---|---|")
     print(f"| {decode_tps:.0f} | {bound:.0f} | {decode_tps / bound:.0%} | {runner.weight_bytes / 1e9:.2f} | {bw / 1e12:.2f} |")

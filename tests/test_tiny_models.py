@@ -45,3 +45,16 @@ def test_llama3_rope_scaling_is_used(tiny_model_dir):
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=16, min_tokens=16),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 16)[0]
+
+
+def test_sharded_safetensors_load_like_one_file(tiny_model_dir, tmp_path):
+    from nanovllm.weights.synthetic import write_model
+
+    sharded = write_model("tiny-qwen2", tmp_path / "sharded", torch.float32, device="cpu", shard_bytes=40_000)
+    assert len(list(sharded.glob("*.safetensors"))) > 3
+    prompt = {"prompt_token_ids": _prompts(1, 512, seed=5)[0]}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = LLM(tiny_model_dir("tiny-qwen2"), max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    many = LLM(str(sharded), max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    assert one.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        many.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids

@@ -59,6 +59,7 @@ class ModelRunner:
         self.sampler = Sampler(use_triton=self.backend.name == "triton")
         self.graphs = self._capture_cuda_graphs()
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        self.kv_bytes_per_token = self.kv_bytes_per_block() // self.block_size
         self.bytes_read = 0  # weights + KV context read by every step so far (benchmarks' HBM roofline)
 
     def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
@@ -170,7 +171,7 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         hidden = self.model(ids, positions, meta)
-        rows = min(cfg.max_num_seqs, num_tokens)
+        rows = min(max(cfg.max_num_seqs, PROMPT_LOGPROBS_CHUNK), num_tokens)  # sampling, or a prompt-logprobs chunk
         logits = self.model.compute_logits(hidden[:rows])
         logits.log_softmax(-1).sort(dim=-1)  # the sampler's largest temporaries
         del hidden, logits
@@ -274,7 +275,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> RunnerOutput:
         input_ids, positions, meta = self.prepare_inputs(seqs)
-        self.bytes_read += self.weight_bytes + sum(meta.seq_lens_cpu) * self.kv_bytes_per_block() // self.block_size
+        self.bytes_read += self.weight_bytes + sum(meta.seq_lens_cpu) * self.kv_bytes_per_token
         if self.graphs is not None and meta.num_decodes == len(seqs) and self.graphs.can_run(len(seqs)):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:

@@ -82,27 +82,27 @@ def write_tokenizer(out: Path, vocab_size: int):
 
 
 def write_model(shape: str | dict, out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                device: str | None = None) -> Path:
+                device: str | None = None, shard_bytes: int = 4 << 30) -> Path:
     config = {**_BASE, **(SHAPES[shape] if isinstance(shape, str) else shape)}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator(device).manual_seed(seed)
-    shard, shard_bytes, index, n, total = {}, 0, {}, 0, 0
+    shard, shard_size, index, n, total = {}, 0, {}, 0, 0
 
     def flush():
-        nonlocal shard, shard_bytes, n
+        nonlocal shard, shard_size, n
         if shard:
             name = f"model-{n:05d}.safetensors"
             save_file(shard, out / name, metadata={"format": "pt"})
             index.update({k: name for k in shard})
-            shard, shard_bytes, n = {}, 0, n + 1
+            shard, shard_size, n = {}, 0, n + 1
 
     for name, tensor_shape in _tensor_shapes(config).items():
         shard[name] = _random(name, tensor_shape, generator, device).to(dtype).cpu()
-        shard_bytes += shard[name].numel() * shard[name].element_size()
+        shard_size += shard[name].numel() * shard[name].element_size()
         total += shard[name].numel() * shard[name].element_size()
-        if shard_bytes > 4 << 30:
+        if shard_size > shard_bytes:
             flush()
     flush()
     json.dump({"metadata": {"total_size": total}, "weight_map": index}, open(out / "model.safetensors.index.json", "w"))
