@@ -4,10 +4,8 @@ import pytest
 import torch
 
 from nanovllm.attention.torch_backend import context_slots, decode_reference, prefill_reference, store_kv_reference
-
-triton = pytest.importorskip("triton")
-from nanovllm.kernels.kv_store import store_kv  # noqa: E402
-from nanovllm.kernels.paged_attention import paged_decode, paged_prefill  # noqa: E402
+from nanovllm.kernels.kv_store import store_kv
+from nanovllm.kernels.paged_attention import paged_decode, paged_prefill
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
