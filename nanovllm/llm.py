@@ -68,23 +68,19 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
-        requests = []
-        for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
-            text, ids = self._tokenize(prompt)
-            try:
-                self.llm_engine.validate_prompt(ids, params)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-            requests.append((text, ids, params))
+        requests = [(*self._tokenize(prompt), params) for prompt, params in zip(prompts, sampling_params)]
         return self._run(requests, use_tqdm)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         try:
-            for text, prompt_ids, params in requests:
+            for i, (text, prompt_ids, params) in enumerate(requests):
                 ids.append(str(next(self._request_counter)))
-                engine.add_request(ids[-1], prompt_ids, params, prompt=text)
+                try:  # add_request validates; a bad prompt stops the call before any step runs
+                    engine.add_request(ids[-1], prompt_ids, params, prompt=text)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
             outputs = self._drain(ids, sum(p.n for _, _, p in requests), use_tqdm)
         except BaseException:
             engine.abort_request(ids)  # free every block this call took; the engine stays usable
