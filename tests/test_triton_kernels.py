@@ -44,7 +44,7 @@ CASES_GPU = CASES_CPU + [
     ([300] * 40, 16, 28, 4, 128),
 ]
 CASES = CASES_GPU if DEVICE == "cuda" else CASES_CPU
-DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]  # the interpreter truncates bf16
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -116,3 +116,75 @@ def test_gumbel_argmax_matches_reference(vocab):
     got = gumbel_argmax(logits, seeds, steps)
     assert got.tolist() == gumbel_argmax_reference(logits, seeds, steps).tolist()
     assert got[0] < vocab // 2
+
+
+
+def _exact_or_close(got, want, dtype):
+    """bf16 results round where the twin rounds; only the fp32 sum order differs, which moves a rare last bit."""
+    if dtype == torch.bfloat16:
+        mismatch = (got != want).float().mean().item()
+        assert mismatch < 0.02, f"{mismatch:.1%} of bf16 values differ from the torch twin"
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [64, 576] if DEVICE == "cpu" else [64, 576, 1024, 4096])
+def test_rms_norm_with_residual_matches_twin(dtype, n):
+    from nanovllm.layers.layernorm import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm(n, 1e-6).to(DEVICE)
+    norm.weight.data = (1 + torch.randn(n, generator=g) * 0.1).to(DEVICE)
+    norm = norm.to(dtype)
+    x = (torch.randn(7, n, generator=g) * 3).to(dtype).to(DEVICE)
+    residual = torch.randn(7, n, generator=g).to(dtype).to(DEVICE)
+    want_out, want_res = norm.forward_native(x, residual)
+    want_plain = norm.forward_native(x)
+    got_plain = norm.forward_triton(x)
+    got_out, got_res = norm.forward_triton(x, residual.clone())
+    assert torch.equal(got_res, want_res)  # the residual sum rounds exactly as torch's add
+    _exact_or_close(got_out, want_out, dtype)
+    _exact_or_close(got_plain, want_plain, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [96, 1536] if DEVICE == "cpu" else [96, 1536, 3072, 14336])
+def test_silu_and_mul_matches_twin(dtype, d):
+    from nanovllm.layers.activation import SiluAndMul
+
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(5, 2 * d, generator=g) * 4).to(dtype).to(DEVICE)
+    act = SiluAndMul()
+    _exact_or_close(act.forward_triton(x), act.forward_native(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("shape", [(4, 2, 64), (3, 1, 80)] if DEVICE == "cpu" else [(4, 2, 64), (3, 1, 80), (32, 8, 128),
+                                                                                     (16, 8, 128)])
+def test_rotary_in_place_matches_twin(dtype, qk_norm, shape):
+    from nanovllm.layers.layernorm import RMSNorm
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+    heads, kv_heads, head_dim = shape
+    g = torch.Generator().manual_seed(7)
+    rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    norms = [None, None]
+    if qk_norm:
+        norms = [RMSNorm(head_dim, 1e-6).to(DEVICE).to(dtype) for _ in range(2)]
+        for norm in norms:
+            norm.weight.data = (1 + torch.randn(head_dim, generator=g) * 0.1).to(dtype).to(DEVICE)
+    tokens = 9
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(DEVICE)
+    positions = torch.randint(0, 4096, (tokens,), generator=g).to(DEVICE)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)  # strided views of a fused qkv, as in the model
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    want_q, want_k = rope.forward_native(positions, q, k, *norms)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    got_q, got_k = rope.forward_triton(positions, q, k, *norms)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
+    _exact_or_close(got_q, want_q, dtype)
+    _exact_or_close(got_k, want_k, dtype)

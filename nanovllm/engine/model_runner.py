@@ -5,9 +5,11 @@ import torch
 
 from nanovllm.attention import AttentionMetadata, get_attention_backend
 from nanovllm.config import Config
+from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import LMHead
 from nanovllm.layers.linear import CpuPackedLinearMethod, LinearBase, UnquantizedLinearMethod
 from nanovllm.layers.sampler import Sampler, SamplingTensors
@@ -54,8 +56,11 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, config.device, mc.max_model_len)
         for layer in self.attention_layers:
             layer.backend = self.backend
+        self._choose_layer_kernels()
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        if self.device.type == "cpu":
+            keep_freed_memory()  # after loading: load-time temporaries are returned to the OS as before
         self.sampler = Sampler(use_triton=self.backend.name == "triton")
         self.graphs = self._capture_cuda_graphs()
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
@@ -104,6 +109,16 @@ class ModelRunner:
             if isinstance(module, (LinearBase, LMHead)) and type(module.linear_method) is UnquantizedLinearMethod:
                 module.linear_method = CpuPackedLinearMethod()
                 module.linear_method.process_weights_after_loading(module)
+
+    def _choose_layer_kernels(self):
+        """Fused Triton layers go with the Triton attention backend; the torch backend keeps the whole model on
+        the plain torch reference path."""
+        use_triton = self.device.type == "cuda" and self.backend.name == "triton"
+        for module in self.model.modules():
+            if isinstance(module, CustomOp):
+                module.use_triton = use_triton
+        if use_triton:
+            log_once("fused Triton layers: RMSNorm (+ residual add), SiLU-and-mul, rotary (+ q/k RMSNorm)")
 
     # ---- KV cache -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:

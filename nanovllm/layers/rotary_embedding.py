@@ -1,7 +1,8 @@
 import math
 
 import torch
-from torch import nn
+
+from nanovllm.layers.custom_op import CustomOp
 
 
 def rope_parameters(hf_config) -> dict:
@@ -40,8 +41,9 @@ def compute_inv_freq(head_dim: int, p: dict, freq_factors=None) -> torch.Tensor:
     return inv_freq
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves) with a cos/sin table over all positions."""
+class RotaryEmbedding(CustomOp):
+    """Neox-style rotary embedding (rotate halves) with a cos/sin table over all positions. Qwen3's per-head
+    q/k RMSNorms, when given, run first (fused into the same kernel on the Triton path)."""
 
     def __init__(self, head_dim: int, max_position: int, params: dict, freq_factors=None):
         super().__init__()
@@ -50,12 +52,30 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._tables = {}  # dtype -> (cos, sin) cast once for the Triton kernel
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    def tables(self, dtype: torch.dtype):
+        """The cos/sin tables cast to `dtype`, made on first use (an eager forward, before any graph capture)."""
+        if dtype not in self._tables:
+            self._tables[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        return self._tables[dtype]
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def forward_triton(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None):
+        """In place on q and k."""
+        from nanovllm.kernels.rotary import rotary_
+
+        cos, sin = self.tables(q.dtype)
+        if q_norm is None:
+            return rotary_(positions, q, k, cos, sin)
+        return rotary_(positions, q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
