@@ -52,6 +52,7 @@ class Config:
     block_size: int = 16
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    async_scheduling: bool = True  # launch a decode batch's next step before reading its tokens back
     seed: int = 0
     attention_backend: str | None = None  # None: the device's default
     model_config: ModelConfig = field(init=False)

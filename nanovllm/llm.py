@@ -23,7 +23,8 @@ class LLM:
     def __init__(self, model: str, tokenizer: str | None = None, dtype="auto", device: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
-                 enforce_eager: bool = False, seed: int = 0, num_gpu_blocks_override: int | None = None,
+                 enforce_eager: bool = False, async_scheduling: bool = True, seed: int = 0,
+                 num_gpu_blocks_override: int | None = None,
                  kv_cache_memory_bytes: int | None = None, attention_backend: str | None = None,
                  tensor_parallel_size: int = 1, quantization: str | None = None, **kwargs):
         unknown = set(kwargs) - _IGNORED_ARGS
@@ -38,7 +39,8 @@ class LLM:
         config = Config(model=model, tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-                        enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
+                        enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
+                        async_scheduling=async_scheduling, seed=seed,
                         num_gpu_blocks_override=num_gpu_blocks_override,
                         kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend)
         self.llm_engine = LLMEngine(config)

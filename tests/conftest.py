@@ -51,3 +51,4 @@ def assert_no_leaks(llm):
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert not llm.llm_engine.scheduler.has_unfinished()
+    assert llm.llm_engine._in_flight is None

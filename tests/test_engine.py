@@ -109,3 +109,34 @@ def test_block_manager_frees_and_evicts_in_order():
     assert bm.allocate_slots(b, 3, hits) and b.block_table[0] == hits[0]
     assert bm.blocks[hits[0]].ref_count == 1 and bm.num_free_blocks == 2
 
+
+
+def test_async_scheduling_changes_nothing(tiny_model_dir):
+    """Launching each decode step before the previous tokens are read gives the same outputs as stepping
+    synchronously, for every way a sequence can end mid-pipeline (stop id, stop string, length, min_tokens),
+    seeded sampling, logprobs, n > 1, penalties (which fall back to synchronous steps), and a cache small
+    enough to preempt."""
+    path = tiny_model_dir("tiny-llama")
+    prompts = _token_prompts(10, seed=5)
+    g = torch.Generator().manual_seed(3)
+    params = []
+    for i in range(len(prompts)):
+        kind = i % 5
+        params.append(SamplingParams(
+            temperature=0 if kind == 0 else 0.9, seed=i, max_tokens=int(torch.randint(1, 40, (1,), generator=g)),
+            ignore_eos=True, n=2 if kind == 1 else 1, logprobs=2 if kind == 2 else None,
+            stop_token_ids=list(range(3, 200)) if kind == 3 else None, min_tokens=3 if kind == 3 else 0,
+            stop=["a", "e"] if kind == 4 else None, presence_penalty=0.5 if i == 9 else 0.0))
+    results = {}
+    for async_scheduling in (False, True):
+        for blocks in (1000, 14):
+            llm = LLM(path, max_model_len=128, num_gpu_blocks_override=blocks, async_scheduling=async_scheduling)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            results[async_scheduling, blocks] = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+                                                   c.cumulative_logprob) for c in o.outputs] for o in outs]
+            if blocks == 1000:  # (the small cache preempts, so sequences wait and steps go one at a time)
+                assert (llm.llm_engine.num_steps_ahead > 0) == async_scheduling
+            assert_no_leaks(llm)
+    assert results[True, 1000] == results[False, 1000]
+    assert results[True, 14] == results[False, 14]
+    assert [[c[:3] for c in o] for o in results[True, 14]] == [[c[:3] for c in o] for o in results[True, 1000]]

@@ -49,6 +49,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seed_rng = np.random.default_rng(config.seed)
         self._arrival = count()
+        self._in_flight = None  # a launched step whose tokens are not read yet (async scheduling)
+        self.num_steps_ahead = 0  # statistics: steps launched before the previous step's tokens were read
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
@@ -117,23 +119,59 @@ class LLMEngine:
 
     # ---- steps ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return the requests that finished in it."""
-        seqs = self.scheduler.schedule()
-        if not seqs:
-            return []
-        result = self.model_runner.run(seqs)
-        self.scheduler.finish_step(seqs)
+        """Run one scheduled batch; return the requests that finished in it. With async scheduling, a decode
+        batch's next step is launched before this one's tokens are read back, so the host's bookkeeping
+        overlaps the device's work."""
+        if self._in_flight is not None:
+            handle, self._in_flight = self._in_flight, None
+        else:
+            seqs = self.scheduler.schedule()
+            if not seqs:
+                return []
+            handle = self.model_runner.launch(seqs)
+        live = [s for s in handle.seqs if not s.is_finished]  # a pipelined step may hold seqs that finished
+        ahead = self._launch_ahead(handle, live)
+        if ahead is None:
+            self.scheduler.finish_step(live)
+        result = self.model_runner.collect(handle)
         done = []
-        for seq, token, logprobs, prompt_lps in zip(seqs, result.sampled, result.logprobs, result.prompt_logprobs):
+        for seq, token, logprobs, prompt_lps in zip(handle.seqs, result.sampled, result.logprobs,
+                                                    result.prompt_logprobs):
+            if seq.is_finished:  # finished at an earlier step: its row here was void
+                continue
             request = self.requests[seq.request_id]
             if seq.wants_prompt_logprobs:
                 self._add_prompt_logprobs(seq, prompt_lps)
             if token is None:
                 continue
+            if ahead is not None:
+                seq.token_ids.pop()  # the placeholder makes way for the real token
             self._append_token(request, seq, token, logprobs)
             if request.finished:
                 done.append(self.requests.pop(seq.request_id))
+        if ahead is not None:
+            if all(s.is_finished for s in ahead.seqs):
+                self.model_runner.collect(ahead)  # nothing left to use it: drain it
+            else:
+                self._in_flight = ahead
         return [self._request_output(r) for r in done]
+
+    def _launch_ahead(self, handle, live: list[Sequence]):
+        """Launch live's next decode step, fed by this step's tokens still on the device, or return None."""
+        if not self.config.async_scheduling or not live:
+            return None
+        row_of = {i: j for j, i in enumerate(handle.sample_idx)}
+        rows = []
+        for i, seq in enumerate(handle.seqs):
+            if seq.is_finished:
+                continue
+            if i not in row_of or seq.params.has_penalties:  # penalties count the tokens: they must be known
+                return None
+            rows.append(row_of[i])
+        if not self.scheduler.schedule_ahead(live):
+            return None
+        self.num_steps_ahead += 1
+        return self.model_runner.launch(live, input_ids_from=(handle.tokens, rows))
 
     def _append_token(self, request: Request, seq: Sequence, token: int, logprobs: TokenLogprobs | None):
         params = seq.params

@@ -33,6 +33,20 @@ class TokenLogprobs:
 
 
 @dataclass
+class StepHandle:
+    """A step launched on the device whose sampled tokens may still be in flight."""
+
+    seqs: list[Sequence]
+    prompt_logprobs: list[list[TokenLogprobs]]
+    sample_idx: list[int]  # rows of seqs that sample a token this step
+    tokens: torch.Tensor | None = None  # [len(sample_idx)] on the device
+    tokens_host: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+    raw_logprobs: torch.Tensor | None = None
+    max_logprobs: int = -1
+
+
+@dataclass
 class RunnerOutput:
     sampled: list[int | None]  # per scheduled seq: the new token, None while its prompt is still filling
     logprobs: list[TokenLogprobs | None]  # per scheduled seq, when it asked for logprobs
@@ -287,32 +301,58 @@ class ModelRunner:
         prompts = occurrences([s.token_ids[:s.num_prompt_tokens] for s in seqs]) > 0
         return outputs, prompts
 
-    @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> RunnerOutput:
+        return self.collect(self.launch(seqs))
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], input_ids_from: tuple[torch.Tensor, list[int]] | None = None) -> StepHandle:
+        """Start one step on the device and return without waiting for its tokens. `input_ids_from`
+        (tokens, rows): this step's input ids are rows of a previous step's sampled tokens, still on the device
+        (the pipelined decode; the host holds placeholders for them)."""
         input_ids, positions, meta = self.prepare_inputs(seqs)
+        if input_ids_from is not None:
+            tokens, rows = input_ids_from
+            input_ids.copy_(tokens if len(rows) == tokens.shape[0] else tokens[self._to_device(rows, torch.int64)])
         self.bytes_read += self.weight_bytes + sum(meta.seq_lens_cpu) * self.kv_bytes_per_token
         if self.graphs is not None and meta.num_decodes == len(seqs) and self.graphs.can_run(len(seqs)):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
-        prompt_logprobs = self._prompt_logprobs(seqs, hidden, meta.query_start_loc_cpu)
-        sample_idx = [i for i, s in enumerate(seqs) if s.is_prefill_done]
-        sampled: list[int | None] = [None] * len(seqs)
-        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
-        if sample_idx:
-            rows = [meta.query_start_loc_cpu[i + 1] - 1 for i in sample_idx]
-            sample_seqs = [seqs[i] for i in sample_idx]
+        handle = StepHandle(seqs, self._prompt_logprobs(seqs, hidden, meta.query_start_loc_cpu),
+                            [i for i, s in enumerate(seqs) if s.is_prefill_done])
+        if handle.sample_idx:
+            rows = [meta.query_start_loc_cpu[i + 1] - 1 for i in handle.sample_idx]
             picked = hidden if len(rows) == hidden.shape[0] else hidden[self._to_device(rows, torch.int64)]
             logits = self.model.compute_logits(picked)
-            tensors = self.prepare_sampling(sample_seqs)
-            tokens, raw_logprobs = self.sampler(logits, tensors)
-            token_list = tokens.tolist()
-            lp = self._gather_logprobs(raw_logprobs, tokens, tensors.max_logprobs) if raw_logprobs is not None else None
-            for j, i in enumerate(sample_idx):
+            tensors = self.prepare_sampling([seqs[i] for i in handle.sample_idx])
+            handle.tokens, handle.raw_logprobs = self.sampler(logits, tensors)
+            handle.max_logprobs = tensors.max_logprobs
+            if self.device.type == "cuda":  # the copy lands while the host prepares the next step
+                handle.tokens_host = torch.empty(handle.tokens.shape, dtype=handle.tokens.dtype, pin_memory=True)
+                handle.tokens_host.copy_(handle.tokens, non_blocking=True)
+                handle.ready = torch.cuda.Event()
+                handle.ready.record()
+            else:
+                handle.tokens_host = handle.tokens
+        return handle
+
+    @torch.inference_mode()
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for a launched step's tokens."""
+        seqs = handle.seqs
+        sampled: list[int | None] = [None] * len(seqs)
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        if handle.sample_idx:
+            if handle.ready is not None:
+                handle.ready.synchronize()
+            token_list = handle.tokens_host.tolist()
+            lp = (self._gather_logprobs(handle.raw_logprobs, handle.tokens, handle.max_logprobs)
+                  if handle.raw_logprobs is not None else None)
+            for j, i in enumerate(handle.sample_idx):
                 sampled[i] = token_list[j]
                 if lp is not None and seqs[i].params.logprobs is not None:
                     logprobs[i] = lp[j]
-        return RunnerOutput(sampled, logprobs, prompt_logprobs)
+        return RunnerOutput(sampled, logprobs, handle.prompt_logprobs)
 
     @staticmethod
     def _gather_logprobs(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:

@@ -1,7 +1,7 @@
 from collections import deque
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -58,6 +58,24 @@ class Scheduler:
             budget -= num_new
         scheduled.sort(key=lambda s: s.num_scheduled_tokens != 1)
         return scheduled
+
+    def schedule_ahead(self, seqs: list[Sequence]) -> bool:
+        """Pipelined decode: account seqs' current step and schedule their next one before its input tokens are
+        known (each seq holds a placeholder for the token in flight). Only when seqs are all that runs, nothing
+        waits, and a block is free for every seq that needs one; otherwise False, nothing changed, and the
+        regular schedule (admission, preemption) runs after the tokens arrive."""
+        if self.waiting or len(seqs) != len(self.running):
+            return False
+        bs = self.block_manager.block_size
+        new_blocks = sum(1 for s in seqs if s.num_tokens // bs >= len(s.block_table))
+        if new_blocks > self.block_manager.num_free_blocks:
+            return False
+        self.finish_step(seqs)
+        for seq in seqs:
+            seq.append_token(PLACEHOLDER_TOKEN)
+            self.block_manager.allocate_slots(seq, 1)
+            seq.num_scheduled_tokens = 1
+        return True
 
     def _preempt(self, seq: Sequence):
         self.block_manager.free(seq)

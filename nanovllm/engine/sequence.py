@@ -3,6 +3,8 @@ from enum import Enum, auto
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
 
+PLACEHOLDER_TOKEN = 0  # stands for a token still being sampled on the device (pipelined decode)
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
