@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
-#   bash scripts/device_check.sh [tests|bench|all]
+#   bash scripts/device_check.sh [tests|bench|all|big|peer]
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,6 +16,9 @@ if [[ $what == bench || $what == all ]]; then
   python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO | tee "$OUT/bench_decode1_qwen3.md" | tail -5
   python3 scripts/profile_step.py qwen3-0.6b 256 2>&1 | grep -v INFO | head -30 > "$OUT/profile_step.txt"
   head -3 "$OUT/profile_step.txt"
+fi
+if [[ $what == peer ]]; then  # after scripts/build_llama_cpp.sh
+  python3 scripts/peer_llama_cpp.py F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp.md" | tail -4
 fi
 if [[ $what == big ]]; then
   python3 -m nanovllm.weights.synthetic llama3-8b /tmp/llama3-8b >/dev/null

@@ -6,9 +6,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _round(x, dtype):
-    """To the model dtype and back: where HF's eager code stores an intermediate in that dtype."""
-    return x.to(dtype).to(tl.float32)
+def _round(x, dtype: tl.constexpr):
+    """To the model dtype and back: where HF's eager code stores an intermediate in that dtype. bf16 rounds
+    (to nearest even) with integer ops: the compiler folds a cast pair that feeds an add into one fma,
+    which skips the rounding (seen on the H100: 24% of outputs one bit off the torch twin)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    elif dtype == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
 
 
 @triton.jit
