@@ -4,6 +4,7 @@ single-stream decode and batched prefill figures, each against a physical limit 
     python bench.py                         # GPU: 256 seqs, in/out U[100,1024], Qwen3-0.6B shape, bf16
     python bench.py --mode decode1 --model llama3-8b      # bs=1 decode vs the weight-read bound
     python bench.py --mode prefill --model llama3-8b      # 8 x 4096-token prompts vs bf16 matmul peak
+    python bench.py --mode sweep --plot docs/decode_vs_batch.png   # decode tok/s against batch size
     python bench.py --device cpu --model smollm2 --num-seqs 32 --input-len 100 300 --output-len 128 128 --hf
 """
 import argparse
@@ -162,6 +163,50 @@ def bench_decode1(args, model, dtype):
     print(f"| {decode_tps:.0f} | {bound:.0f} | {decode_tps / bound:.0%} | {runner.weight_bytes / 1e9:.2f} | {bw / 1e12:.2f} |")
 
 
+def bench_sweep(args, model, dtype):
+    """Decode tok/s against batch size (prompts of 512 tokens, 128 new tokens, greedy), each beside its HBM
+    bound (weights + that batch's KV read once a step); with --plot, also a PNG of both curves."""
+    sizes = args.batch_sizes
+    llm = LLM(model, device=args.device, dtype=dtype, enforce_eager=args.enforce_eager, max_model_len=1024,
+              max_num_seqs=max(sizes), enable_prefix_caching=False)
+    runner = llm.llm_engine.model_runner
+    bw = measure_hbm_bandwidth() if args.device.startswith("cuda") else None
+    rng = random.Random(args.seed)
+    vocab = llm.llm_engine.model_config.vocab_size
+    greedy = dict(temperature=0, ignore_eos=True, detokenize=False)
+    timed_generate(llm, [[rng.randint(100, vocab - 1) for _ in range(512)]], SamplingParams(max_tokens=8, **greedy),
+                   args.device)
+    rows = []
+    for bs in sizes:
+        prompts = [[rng.randint(100, vocab - 1) for _ in range(512)] for _ in range(bs)]
+        timed_generate(llm, prompts, SamplingParams(max_tokens=2, **greedy), args.device)  # warm-up at this size
+        prefill, _ = timed_generate(llm, prompts, SamplingParams(max_tokens=1, **greedy), args.device)
+        seconds, _ = timed_generate(llm, prompts, SamplingParams(max_tokens=128, **greedy), args.device)
+        tps = bs * 127 / (seconds - prefill)
+        bound = bs * bw / (runner.weight_bytes + bs * 576 * runner.kv_bytes_per_token) if bw else None
+        rows.append((bs, tps, bound))
+    print(header(args, dtype, "decode tok/s against batch size: 512-token prompts, 128 new tokens, greedy"))
+    print("| batch size | decode tok/s | HBM bound tok/s | ratio |\n|---|---|---|---|")
+    for bs, tps, bound in rows:
+        print(f"| {bs} | {tps:,.0f} | {f'{bound:,.0f}' if bound else ''} | {f'{tps / bound:.0%}' if bound else ''} |")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r[0] for r in rows], [r[1] for r in rows], "o-", label="nanovllm decode")
+        if bw:
+            ax.plot([r[0] for r in rows], [r[2] for r in rows], "--", label="HBM bound (weights + KV)")
+        ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="output tok/s",
+               title=f"{os.path.basename(str(args.model))} {str(dtype).removeprefix('torch.')}, {device_name(args)}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"plot: {args.plot}")
+
+
 def bench_prefill(args, model, dtype, hf_config):
     """8 prompts of 4096 tokens, one token each: prefill tok/s against the measured bf16 matmul peak."""
     llm = LLM(model, device=args.device, dtype=dtype, max_model_len=4200, max_num_batched_tokens=8192,
@@ -186,7 +231,7 @@ def bench_prefill(args, model, dtype, hf_config):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", default="throughput", choices=["throughput", "decode1", "prefill"])
+    ap.add_argument("--mode", default="throughput", choices=["throughput", "decode1", "prefill", "sweep"])
     ap.add_argument("--model", default="qwen3-0.6b", help="a path, 'smollm2', or a synthetic shape: " + ", ".join(SHAPES))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
@@ -196,6 +241,8 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256], help="sweep mode")
+    ap.add_argument("--plot", default=None, help="sweep mode: write a PNG of tok/s against batch size here")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers' batched generate")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
@@ -205,6 +252,8 @@ def main():
     hf_config, _ = load_model_config(model)
     if args.mode == "decode1":
         bench_decode1(args, model, dtype)
+    elif args.mode == "sweep":
+        bench_sweep(args, model, dtype)
     elif args.mode == "prefill":
         bench_prefill(args, model, dtype, hf_config)
     else:

@@ -14,6 +14,7 @@ fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench.py 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -8
   python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO | tee "$OUT/bench_decode1_qwen3.md" | tail -5
+  python3 bench.py --mode sweep --plot "$OUT/decode_vs_batch.png" 2>&1 | grep -v INFO | tee "$OUT/bench_sweep.md" | tail -9
   python3 scripts/profile_step.py qwen3-0.6b 256 2>&1 | grep -v INFO | head -30 > "$OUT/profile_step.txt"
   head -3 "$OUT/profile_step.txt"
 fi
