@@ -10,26 +10,37 @@ _MASK32 = 0xFFFFFFFF
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash on int64 tensors; multipliers stay below 2**31 so nothing overflows."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & _MASK32
-    return x ^ (x >> 16)
+    """A 32-bit integer hash, in place on an int64 tensor; multipliers stay below 2**31 so nothing overflows."""
+    x ^= x >> 16
+    x.mul_(0x7FEB352D).bitwise_and_(_MASK32)
+    x ^= x >> 15
+    x.mul_(0x2C1B3C6D).bitwise_and_(_MASK32)
+    x ^= x >> 16
+    return x
 
 
-def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Exp(1) noise [B, V], a pure function of (seed, step, token id)."""
+_token_terms: dict = {}  # (vocab size, device) -> token id * golden ratio constant, mod 2**32
+
+
+def _token_term(vocab_size: int, device) -> torch.Tensor:
+    key = (vocab_size, str(device))
+    if key not in _token_terms:
+        _token_terms[key] = (torch.arange(vocab_size, device=device, dtype=torch.int64) * 0x9E3779B9) & _MASK32
+    return _token_terms[key]
+
+
+def log_exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """log E for Exp(1) noise E [B, V], a pure function of (seed, step, token id). Every op but the first runs
+    in place on one [B, V] buffer: on CPU this is a large share of a sampled decode step."""
     key = _mix32(seeds ^ _mix32(steps + 0x3C6EF372))
-    tokens = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _mix32((key[:, None] + tokens[None, :] * 0x9E3779B9) & _MASK32)
-    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(uniform)
+    bits = _mix32((key[:, None] + _token_term(vocab_size, seeds.device)[None, :]).bitwise_and_(_MASK32))
+    uniform = (bits >> 8).float().add_(0.5).mul_(1.0 / (1 << 24))
+    return uniform.log_().neg_().log_()
 
 
 def gumbel_argmax_reference(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """A categorical draw from softmax(logits) per row: argmax(logits - log E), E ~ Exp(1)."""
-    return (logits - torch.log(exponential_noise(seeds, steps, logits.shape[-1]))).argmax(-1)
+    return (logits - log_exponential_noise(seeds, steps, logits.shape[-1])).argmax(-1)
 
 
 @dataclass
