@@ -12,6 +12,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import LMHead
 from nanovllm.layers.linear import CpuPackedLinearMethod, LinearBase, UnquantizedLinearMethod
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.logger import log_once, logger
 from nanovllm.models import get_model_class
@@ -131,6 +132,8 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, CustomOp):
                 module.use_triton = use_triton
+            if use_triton and isinstance(module, RotaryEmbedding):
+                module.tables(self.dtype)  # cast now, never inside a CUDA graph capture
         if use_triton:
             log_once("fused Triton layers: RMSNorm (+ residual add), SiLU-and-mul, rotary (+ q/k RMSNorm)")
 
@@ -300,9 +303,6 @@ class ModelRunner:
         outputs = occurrences([s.output_token_ids for s in seqs])
         prompts = occurrences([s.token_ids[:s.num_prompt_tokens] for s in seqs]) > 0
         return outputs, prompts
-
-    def run(self, seqs: list[Sequence]) -> RunnerOutput:
-        return self.collect(self.launch(seqs))
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], input_ids_from: tuple[torch.Tensor, list[int]] | None = None) -> StepHandle:

@@ -55,7 +55,7 @@ class RotaryEmbedding(CustomOp):
         self._tables = {}  # dtype -> (cos, sin) cast once for the Triton kernel
 
     def tables(self, dtype: torch.dtype):
-        """The cos/sin tables cast to `dtype`, made on first use (an eager forward, before any graph capture)."""
+        """The cos/sin tables cast to `dtype`, made once (the ModelRunner asks before any graph capture)."""
         if dtype not in self._tables:
             self._tables[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
         return self._tables[dtype]
