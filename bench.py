@@ -183,7 +183,8 @@ def bench_sweep(args, model, dtype):
         prefill, _ = timed_generate(llm, prompts, SamplingParams(max_tokens=1, **greedy), args.device)
         seconds, _ = timed_generate(llm, prompts, SamplingParams(max_tokens=128, **greedy), args.device)
         tps = bs * 127 / (seconds - prefill)
-        bound = bs * bw / (runner.weight_bytes + bs * 576 * runner.kv_bytes_per_token) if bw else None
+        mean_context = 512 + 64  # tokens of KV read a step, averaged over the 128 new tokens
+        bound = bs * bw / (runner.weight_bytes + bs * mean_context * runner.kv_bytes_per_token) if bw else None
         rows.append((bs, tps, bound))
     print(header(args, dtype, "decode tok/s against batch size: 512-token prompts, 128 new tokens, greedy"))
     print("| batch size | decode tok/s | HBM bound tok/s | ratio |\n|---|---|---|---|")

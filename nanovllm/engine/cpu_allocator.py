@@ -14,15 +14,14 @@ _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_BYTES = 64 << 20  # activations of a 1024-token chunk stay far below this
 _TRIM_THRESHOLD_BYTES = (1 << 31) - 1
 
-_done = False
+_outcome: bool | None = None  # the first call's result: the tuning is per process
 
 
 def keep_freed_memory() -> bool:
     """Tune glibc once per process; logs the outcome. Returns whether the settings took effect."""
-    global _done
-    if _done:
-        return True
-    _done = True
+    global _outcome
+    if _outcome is not None:
+        return _outcome
     name = ctypes.util.find_library("c") if sys.platform.startswith("linux") else None
     try:
         mallopt = ctypes.CDLL(name).mallopt if name else None
@@ -35,4 +34,5 @@ def keep_freed_memory() -> bool:
                  "reuse warm pages between steps")
     else:
         log_once("CPU: glibc mallopt is not available here; large activations page-fault on every step")
+    _outcome = ok
     return ok
