@@ -1,5 +1,6 @@
 """Where a step's time goes on the GPU: host-side cProfile of the engine plus timed pieces.
-usage: python scripts/profile_step.py [shape] [num_seqs]"""
+usage: python scripts/profile_step.py [shape] [num_seqs]
+Prints the step and graph-replay times, a cProfile of the host, and the kernels inside one replay."""
 import cProfile
 import pstats
 import random
@@ -44,3 +45,11 @@ for _ in range(30):
 torch.cuda.synchronize()
 prof.disable()
 pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+with profile(activities=[ProfilerActivity.CUDA]) as kernels:
+    for _ in range(20):
+        graphs.graphs[bs].replay()
+    torch.cuda.synchronize()
+print(f"kernels of one graph replay (bs {bs}), summed over 20 replays:")
+print(kernels.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70))

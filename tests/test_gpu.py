@@ -26,22 +26,29 @@ def _prompts(n=8):
 
 
 def _agreement(small_model, dtype, new_tokens=32):
+    """(free-running, teacher-forced) agreement of our greedy tokens with HF's on the same weights.
+    Free-running: tokens before each prompt's first divergence (one bf16 near-tie ends a prompt's count).
+    Teacher-forced: positions where our token is HF's argmax given the same preceding tokens (ours)."""
     hf = AutoModelForCausalLM.from_pretrained(small_model, dtype=dtype).cuda().eval()
     llm = LLM(small_model, device="cuda", dtype=dtype, max_model_len=1024, gpu_memory_utilization=0.5)
     prompts = _prompts()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens), use_tqdm=False)
-    matched, total = 0, 0
+    matched, forced, total = 0, 0, 0
     for prompt, out in zip(prompts, outs):
+        ours = out.outputs[0].token_ids
         ref = _hf_cuda_greedy(hf, prompt, new_tokens)
         same = 0
-        for a, b in zip(out.outputs[0].token_ids, ref):
+        for a, b in zip(ours, ref):
             if a != b:
                 break
             same += 1
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + ours], device="cuda")).logits[0, len(prompt) - 1:-1]
+        forced += (logits.argmax(-1).cpu() == torch.tensor(ours)).sum().item()
         matched, total = matched + same, total + new_tokens
     assert_no_leaks(llm)
-    return matched / total
+    return matched / total, forced / total
 
 
 def _hf_cuda_greedy(model, prompt, n):
@@ -51,13 +58,17 @@ def _hf_cuda_greedy(model, prompt, n):
 
 
 def test_fp32_identical_to_hf_on_cuda(small_model):
-    assert _agreement(small_model, torch.float32) == 1.0
+    free, forced = _agreement(small_model, torch.float32)
+    assert free == 1.0 and forced >= 0.99  # HF's own full-sequence and incremental logits differ at fp32 rounding
 
 
 def test_bf16_agreement_with_hf_on_cuda(small_model):
-    rate = _agreement(small_model, torch.bfloat16)
-    print(f"\nbf16 greedy agreement with HF (tokens before the first divergence): {rate:.1%}")
-    assert rate >= 0.5
+    free, forced = _agreement(small_model, torch.bfloat16)
+    print(f"\nbf16 greedy agreement with HF: {free:.1%} of tokens before the first divergence, {forced:.1%} of "
+          "positions teacher-forced")
+    # bf16 near-ties flip single positions; a real error (wrong attention, rope, weights) picks tokens that are
+    # far from HF's argmax at most positions
+    assert forced >= 0.8
 
 
 def test_gpu_kv_cache_sized_from_free_memory(small_model):

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from nanovllm.attention.torch_backend import context_slots, decode_reference, prefill_reference, store_kv_reference
+from nanovllm.engine.cuda_graph import graph_batch_sizes
+from nanovllm.kernels.gemv import gemv, gemv_reference
 from nanovllm.kernels.kv_store import store_kv
-from nanovllm.kernels.paged_attention import paged_decode, paged_prefill
+from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode, paged_prefill
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -49,7 +51,7 @@ DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
 def test_paged_decode_matches_reference(case, dtype, num_splits):
     seq_lens, page, heads, kv_heads, head_dim = case
     g = torch.Generator().manual_seed(1)
@@ -61,6 +63,17 @@ def test_paged_decode_matches_reference(case, dtype, num_splits):
     want = decode_reference(q.float(), k_cache.float(), v_cache.float(),
                             *context_slots(tables, lens, max(seq_lens), page), head_dim ** -0.5)
     torch.testing.assert_close(out.float(), want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("max_batch", [1, 5, 100, 256, 512])
+def test_decode_splits_agree_between_a_batch_and_its_graph_bucket(max_batch):
+    """An eager step and the CUDA graph that would serve the same batch must split contexts alike."""
+    buckets = graph_batch_sizes(max_batch)
+    for num_seqs in range(1, max_batch + 1):
+        bucket = next(b for b in buckets if b >= num_seqs)
+        for kv_heads, max_len, sms in [(8, 2048, 132), (2, 40960, 132), (1, 128, 4)]:
+            assert decode_num_splits(num_seqs, kv_heads, max_len, sms) == decode_num_splits(bucket, kv_heads, max_len, sms)
+    assert decode_num_splits(1, 8, 40960, 132) > decode_num_splits(256, 8, 40960, 132) == 1
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -100,6 +113,22 @@ def test_store_kv_matches_reference(dtype):
     store_kv(k, v, caches[0], caches[1], slots)
     store_kv_reference(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+GEMV_SHAPES = [(1, 40, 96), (3, 33, 300), (16, 64, 1024)] + ([] if DEVICE == "cpu" else [(1, 4096, 1024), (7, 1024, 3072)])
+
+
+@pytest.mark.parametrize("rows,n,k", GEMV_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_linear(rows, n, k, dtype, bias):
+    g = torch.Generator().manual_seed(5)
+    x, w, b = (torch.randn(*shape, generator=g).to(dtype).to(DEVICE) for shape in ((rows, k), (n, k), (n,)))
+    b = b if bias else None
+    want = gemv_reference(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(gemv(x, w, b).float(), want, **_tol(dtype))
+    tiles = dict(block_n=16, block_k=64, num_stages=2, num_warps=4)  # K and N tails that the default tiles cover
+    torch.testing.assert_close(gemv(x, w, b, **tiles).float(), want, **_tol(dtype))
 
 
 @pytest.mark.parametrize("vocab", [300, 4099] if DEVICE == "cpu" else [300, 4099, 151936])

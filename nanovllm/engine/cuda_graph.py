@@ -7,6 +7,11 @@ import torch
 from nanovllm.attention.metadata import AttentionMetadata
 
 
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    """The captured batch-size buckets: powers of two to 8, then every multiple of 16, then max_batch."""
+    return sorted({b for b in (1, 2, 4, 8, *range(16, max_batch + 1, 16)) if b <= max_batch} | {max_batch})
+
+
 class CUDAGraphRunner:
     def __init__(self, model, max_batch: int, max_blocks_per_seq: int, max_model_len: int, block_size: int,
                  scratch_block: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
@@ -14,7 +19,7 @@ class CUDAGraphRunner:
         self.max_model_len = max_model_len
         self.scratch_slot = scratch_block * block_size
         self.scratch_block = scratch_block
-        self.batch_sizes = sorted({b for b in (1, 2, 4, 8, *range(16, max_batch + 1, 16)) if b <= max_batch} | {max_batch})
+        self.batch_sizes = graph_batch_sizes(max_batch)
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(max_batch, **i64)

@@ -8,18 +8,29 @@ from nanovllm.config import Config
 from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels.gemv import MAX_ROWS
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import LMHead
-from nanovllm.layers.linear import CpuPackedLinearMethod, LinearBase, UnquantizedLinearMethod
+from nanovllm.layers.linear import CpuPackedLinearMethod, LinearBase, TritonGemvLinearMethod, UnquantizedLinearMethod
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.logger import log_once, logger
 from nanovllm.models import get_model_class
+from nanovllm.sampling_params import SamplingParams
 from nanovllm.weights.model_files import iterate_weights
 
 CPU_KV_CACHE_BYTES = 4 << 30
 PROMPT_LOGPROBS_CHUNK = 1024  # rows of [rows, vocab] fp32 logits alive at once while scoring prompts
+ALIGN = 16  # int32 elements: 64 bytes
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _padded(values: list[int], length: int) -> list[int]:
+    return values + [0] * (length - len(values))
 
 
 @dataclass
@@ -71,6 +82,7 @@ class ModelRunner:
         self.backend = get_attention_backend(config.attention_backend, config.device, mc.max_model_len)
         for layer in self.attention_layers:
             layer.backend = self.backend
+        self._choose_linear_method()
         self._choose_layer_kernels()
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
@@ -78,6 +90,7 @@ class ModelRunner:
             keep_freed_memory()  # after loading: load-time temporaries are returned to the OS as before
         self.sampler = Sampler(use_triton=self.backend.name == "triton")
         self.graphs = self._capture_cuda_graphs()
+        self._warm_up_sampler()
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         self.kv_bytes_per_token = self.kv_bytes_per_block() // self.block_size
         self.bytes_read = 0  # weights + KV context read by every step so far (benchmarks' HBM roofline)
@@ -93,11 +106,19 @@ class ModelRunner:
             return None
         mc = self.config.model_config
         graphs = CUDAGraphRunner(self.model, min(self.config.max_num_seqs, 512),
-                                 -(-mc.max_model_len // self.block_size), mc.max_model_len, self.block_size,
+                                 _round_up(-(-mc.max_model_len // self.block_size), ALIGN), mc.max_model_len, self.block_size,
                                  self.num_blocks, mc.hf_config.hidden_size, self.dtype, self.device)
         graphs.capture()
         logger.info(f"captured CUDA graphs for decode batch sizes {graphs.batch_sizes[0]}..{graphs.batch_sizes[-1]}")
         return graphs
+
+    @torch.inference_mode()
+    def _warm_up_sampler(self):
+        """Compile the sampling kernels now rather than inside the first timed step that samples."""
+        if self.backend.name != "triton":
+            return
+        seq = Sequence("warm-up", 0, [0], SamplingParams(temperature=1.0), seed=0, arrival=0)
+        self.sampler(torch.zeros(1, self.vocab_size, device=self.device), self.prepare_sampling([seq]))
 
     def _load_model(self):
         mc = self.config.model_config
@@ -109,20 +130,25 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         model.load_weights(iterate_weights(mc))
-        self._choose_linear_method(model)
         return model.eval()
 
-    def _choose_linear_method(self, model):
-        """fp32 on CPU runs oneDNN-packed weights when this torch build has them; otherwise F.linear."""
-        if self.device.type != "cpu" or self.dtype != torch.float32:
+    def _choose_linear_method(self):
+        """fp32 on CPU runs oneDNN-packed weights when this torch build has them; half precision on CUDA with
+        the Triton backend runs the Triton GEMV for small batches; otherwise F.linear."""
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            if not CpuPackedLinearMethod.available():
+                log_once("oneDNN packed linear is not available in this torch build: CPU linears run F.linear")
+                return
+            log_once("CPU linears: oneDNN packed fp32 weights")
+            method = CpuPackedLinearMethod
+        elif self.device.type == "cuda" and self.dtype != torch.float32 and self.backend.name == "triton":
+            log_once(f"CUDA linears: Triton GEMV up to {MAX_ROWS} rows, cuBLAS above")
+            method = TritonGemvLinearMethod
+        else:
             return
-        if not CpuPackedLinearMethod.available():
-            log_once("oneDNN packed linear is not available in this torch build: CPU linears run F.linear")
-            return
-        log_once("CPU linears: oneDNN packed fp32 weights")
-        for module in model.modules():
+        for module in self.model.modules():
             if isinstance(module, (LinearBase, LMHead)) and type(module.linear_method) is UnquantizedLinearMethod:
-                module.linear_method = CpuPackedLinearMethod()
+                module.linear_method = method()
                 module.linear_method.process_weights_after_loading(module)
 
     def _choose_layer_kernels(self):
@@ -243,21 +269,28 @@ class ModelRunner:
                 slots.extend((np.asarray(seq.block_table)[pos // bs] * bs + pos % bs).tolist())
             starts.append(end - start + starts[-1])
             seq_lens.append(end)
-        width = max(len(s.block_table) for s in seqs)
+        width = _round_up(max(len(s.block_table) for s in seqs), ALIGN)
         tables = np.zeros((len(seqs), width), dtype=np.int32)
         for i, seq in enumerate(seqs):
             tables[i, :len(seq.block_table)] = seq.block_table
         num_decodes = sum(1 for s in seqs if s.num_scheduled_tokens == 1)
         n, b = len(ids), len(seqs)
-        # one host-to-device copy for the whole step's integers, cut into views on the device
-        packed = self._to_device(np.concatenate([ids, positions, slots, starts, seq_lens, tables.ravel()]), torch.int64)
-        small = packed[3 * n:].to(torch.int32)
+        # One host-to-device copy for the whole step's integers, cut into views on the device. Every view
+        # starts 64-byte aligned and the table's row stride is a multiple of 16, so the Triton kernels, which
+        # specialize on pointer alignment and stride divisibility, never compile a variant mid-run.
+        b_pad = _round_up(b + 1, ALIGN)
+        small = np.zeros(2 * b_pad + tables.size, dtype=np.int64)
+        small[:b + 1], small[b_pad:b_pad + b], small[2 * b_pad:] = starts, seq_lens, tables.ravel()
+        n_pad = _round_up(n, ALIGN // 2)
+        packed = self._to_device(np.concatenate([_padded(ids, n_pad), _padded(positions, n_pad), _padded(slots, n_pad),
+                                                 small]), torch.int64)
+        small = packed[3 * n_pad:].to(torch.int32)
         meta = AttentionMetadata(
-            slot_mapping=packed[2 * n:3 * n], query_start_loc=small[:b + 1], seq_lens=small[b + 1:2 * b + 1],
-            block_tables=small[2 * b + 1:].view(b, width),
+            slot_mapping=packed[2 * n_pad:2 * n_pad + n], query_start_loc=small[:b + 1],
+            seq_lens=small[b_pad:b_pad + b], block_tables=small[2 * b_pad:].view(b, width),
             num_decodes=num_decodes, max_query_len=max(np.diff(starts)), max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
-        return packed[:n], packed[n:2 * n], meta
+        return packed[:n], packed[n_pad:n_pad + n], meta
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
         params = [s.params for s in seqs]

@@ -39,8 +39,8 @@ def _online_softmax_step(q, k, v, allowed, m, denom, acc, scale, PRECISION: tl.c
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                         acc_ptr, m_ptr, denom_ptr, scale,
-                         stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+                         acc_ptr, m_ptr, denom_ptr, out_ptr, scale,
+                         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          PRECISION: tl.constexpr):
@@ -65,11 +65,16 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         offs, valid, k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, n, end, kv_head, d, d_ok,
                                           stride_bt, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N)
         m, denom, acc = _online_softmax_step(q, k, v, valid[None, :], m, denom, acc, scale, PRECISION)
-    part = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
     row_ok = g < GROUP
+    if NUM_SPLITS == 1:  # the whole context in one program: normalize here, no merge kernel
+        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok)
+        return
+    part = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
     tl.store(m_ptr + part, m, mask=row_ok)
     tl.store(denom_ptr + part, denom, mask=row_ok)
-    tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok)
 
 
 @triton.jit
@@ -94,28 +99,36 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def decode_num_splits(max_model_len: int) -> int:
-    """Splits of the context per (sequence, kv head): about one per 512 tokens of the longest possible
-    context, up to 32. Splits past a sequence's end exit at once, so short contexts pay little for them."""
-    return max(1, min(32, triton.next_power_of_2(triton.cdiv(max_model_len, 512))))
+DECODE_BLOCK_N = 64
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out=None, workspace=None):
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
+    """Splits of each (sequence, kv head)'s context: enough programs for about four per SM, but no split
+    shorter than one tile of the longest possible context. It depends on num_seqs only through its next power
+    of two, which a CUDA-graph bucket shares with every batch it serves: eager and graph steps split alike."""
+    programs = triton.next_power_of_2(num_seqs) * num_kv_heads
+    wanted = triton.next_power_of_2(triton.cdiv(4 * num_sms, programs))
+    return max(1, min(wanted, triton.next_power_of_2(triton.cdiv(max_model_len, DECODE_BLOCK_N))))
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out=None,
+                 block_n=DECODE_BLOCK_N, num_warps=4, num_stages=None):
     """q: [B, H, D] -> [B, H, D]. num_splits is fixed by the caller (a CUDA graph bakes the grid in)."""
     B, H, D = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = H // num_kv_heads
     out = torch.empty_like(q) if out is None else out
-    if workspace is None:
-        workspace = decode_workspace(B, H, D, num_splits, q.device)
-    acc, m, lse = (w[:B * H * num_splits] for w in workspace)
+    acc, m, denom = decode_workspace(B, H, D, num_splits, q.device) if num_splits > 1 else (out, out, out)
     _decode_split_kernel[(B, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, acc, m, lse, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        q, k_cache, v_cache, block_tables, seq_lens, acc, m, denom, out, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, D_PAD=triton.next_power_of_2(D),
-        PAGE=page, BLOCK_N=64, NUM_SPLITS=num_splits, PRECISION=_precision(q), num_warps=4)
-    _decode_merge_kernel[(B, H)](acc, m, lse, out, out.stride(0), out.stride(1), H,
-                                 HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=num_splits)
+        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q), num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}))
+    if num_splits > 1:
+        _decode_merge_kernel[(B, H)](acc, m, denom, out, out.stride(0), out.stride(1), H,
+                                     HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=num_splits)
     return out
 
 

@@ -1,0 +1,86 @@
+"""The paged decode kernel alone against HBM bandwidth, over launch configs and cache layouts.
+usage: python scripts/attention_sweep.py [num_seqs] [max_context] [configs|splits]
+configs: block and launch sizes, cache layouts and page sizes; splits: the shipped config over split counts,
+beside the count decode_num_splits picks for this batch."""
+import itertools
+import random
+import sys
+
+import torch
+from gpu_timing import copies_needed, graph_time, hbm_bandwidth
+
+from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode
+
+num_seqs = int(sys.argv[1]) if len(sys.argv) > 1 else 256
+max_context = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
+mode = sys.argv[3] if len(sys.argv) > 3 else "configs"
+KV_HEADS, GROUP, HEAD_DIM = 8, 2, 128  # Qwen3-0.6B
+rng = random.Random(0)
+lens = [rng.randint(100, max_context) for _ in range(num_seqs)]
+kv_bytes = sum(lens) * KV_HEADS * HEAD_DIM * 2 * 2
+
+
+def make_cache(page, layout):
+    """A shuffled block table over a cache of [blocks, page, kv_heads, dim] (NHD) or a view of one stored
+    [blocks, kv_heads, page, dim] (HND); the kernel reads either through its strides."""
+    per_seq = [-(-n // page) for n in lens]
+    perm = torch.randperm(sum(per_seq), generator=torch.Generator().manual_seed(0))
+    table = torch.zeros(num_seqs, max(per_seq), dtype=torch.int32)
+    at = 0
+    for i, n in enumerate(per_seq):
+        table[i, :n] = perm[at:at + n]
+        at += n
+    shape = (sum(per_seq), page, KV_HEADS, HEAD_DIM) if layout == "NHD" else (sum(per_seq), KV_HEADS, page, HEAD_DIM)
+    k, v = (torch.randn(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    if layout == "HND":
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    return k, v, table.cuda()
+
+
+q = torch.randn(num_seqs, KV_HEADS * GROUP, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+scale = HEAD_DIM ** -0.5
+bw = hbm_bandwidth()
+print(f"{torch.cuda.get_device_name()}: {num_seqs} seqs, context U[100, {max_context}], "
+      f"{kv_bytes / 1e9:.2f} GB of K+V a layer, copy bandwidth {bw / 1e12:.2f} TB/s")
+print("| layout | page | block_n | warps | stages | splits | us | TB/s | of copy bw | max err |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+caches = {}
+reference = None
+
+
+def run(layout, page, block_n, warps, stages, splits):
+    """Time one config over enough copies of the cache that no call finds its K/V in L2."""
+    global reference
+    if (page, layout) not in caches:
+        caches.clear()
+        caches[page, layout] = [make_cache(page, layout) for _ in range(copies_needed(kv_bytes))]
+    launch = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+    calls = [lambda k=k, v=v, t=t: paged_decode(q, k, v, t, seq_lens, scale, splits, **launch)
+             for k, v, t in caches[page, layout]]
+    try:
+        out = calls[0]()
+        seconds = graph_time(calls)
+    except Exception as e:  # out of shared memory and the like
+        print(f"| {layout} | {page} | {block_n} | {warps} | {stages} | {splits} | failed: {type(e).__name__} |")
+        return None
+    if reference is None or reference[0] != (page, layout):
+        reference = ((page, layout), out)
+    err = (out.float() - reference[1].float()).abs().max().item()
+    print(f"| {layout} | {page} | {block_n} | {warps} | {stages} | {splits} | {seconds * 1e6:.1f} "
+          f"| {kv_bytes / seconds / 1e12:.2f} | {kv_bytes / seconds / bw:.0%} | {err:.1e} |")
+    return seconds
+
+
+if mode == "splits":
+    picked = decode_num_splits(num_seqs, KV_HEADS, max_context, torch.cuda.get_device_properties(0).multi_processor_count)
+    print(f"decode_num_splits picks {picked}")
+    for splits in (1, 2, 4, 8, 16, 32, 64):
+        run("NHD", 16, 64, 4, None, splits)
+else:
+    run("NHD", 16, 64, 4, None, 4)
+    best = min(((run("NHD", 16, bn, w, st, 4) or 1e9), bn, w, st)
+               for bn, w, st in itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4)))
+    _, bn, w, st = best
+    for layout, page, splits in itertools.product(("NHD", "HND"), (16, 64), (1, 2, 4, 8)):
+        run(layout, page, bn, w, st, splits)

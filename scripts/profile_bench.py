@@ -1,0 +1,83 @@
+"""Where bench.py's throughput run spends its time: engine steps timed one by one and grouped by what they
+ran (prefill, or decode at a batch size range), each group beside its HBM bound (weights + KV read).
+usage: python scripts/profile_bench.py [same workload flags as bench.py]"""
+import argparse
+import collections
+import sys
+import time
+
+import torch
+from triton.runtime.jit import JITFunction
+
+sys.path.insert(0, ".")
+from bench import make_workload, measure_hbm_bandwidth, resolve_model  # noqa: E402
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--model", default="qwen3-0.6b")
+ap.add_argument("--num-seqs", type=int, default=256)
+ap.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
+ap.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
+ap.add_argument("--seed", type=int, default=0)
+args = ap.parse_args()
+model = resolve_model(args.model, torch.bfloat16)
+prompts, out_lens = make_workload(args, 30000)
+llm = LLM(model, max_model_len=max(map(len, prompts)) + max(out_lens))
+llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4), use_tqdm=False)
+engine = llm.llm_engine
+runner = engine.model_runner
+launched = []
+launch = runner.launch
+
+
+def recording_launch(seqs, **kw):
+    launched.append((len(seqs), sum(s.num_scheduled_tokens > 1 for s in seqs),
+                     sum(s.num_computed_tokens + s.num_scheduled_tokens for s in seqs)))
+    return launch(seqs, **kw)
+
+
+runner.launch = recording_launch
+compiles = []  # Triton kernels compiled (or loaded from the disk cache) inside the timed run
+do_compile = JITFunction._do_compile
+
+
+def counting_compile(self, *a, **kw):
+    t0 = time.perf_counter()
+    kernel = do_compile(self, *a, **kw)
+    compiles.append((self.__name__, time.perf_counter() - t0))
+    return kernel
+
+
+JITFunction._do_compile = counting_compile
+prefill_ms = []
+for i, (p, n) in enumerate(zip(prompts, out_lens)):
+    engine.add_request(str(i), p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, seed=i,
+                                                 detokenize=False))
+groups = collections.defaultdict(lambda: [0, 0.0, 0.0, 0])  # steps, seconds, bound bytes, tokens
+torch.cuda.synchronize()
+start = time.perf_counter()
+while engine.has_unfinished_requests():
+    launched.clear()
+    t0 = time.perf_counter()
+    engine.step()
+    dt = time.perf_counter() - t0
+    if not launched:
+        continue
+    num_seqs, prefills, context = launched[0]
+    if prefills:
+        prefill_ms.append(f"{dt * 1e3:.0f}")
+    key = "prefill (mixed)" if prefills else f"decode bs {1 << (num_seqs - 1).bit_length():>3}"
+    g = groups[key]
+    g[0] += 1
+    g[1] += dt
+    g[2] += runner.weight_bytes + context * runner.kv_bytes_per_token
+    g[3] += num_seqs
+total = time.perf_counter() - start
+bw = measure_hbm_bandwidth()
+print(f"{torch.cuda.get_device_name()}: {args.num_seqs} seqs, total {total:.2f} s, copy bandwidth {bw / 1e12:.2f} TB/s")
+print("| steps | count | seconds | ms/step | bound ms/step | of bound | share of run |\n|---|---|---|---|---|---|---|")
+for key in sorted(groups):
+    n, s, b, _ = groups[key]
+    print(f"| {key} | {n} | {s:.2f} | {s / n * 1e3:.2f} | {b / bw / n * 1e3:.2f} | {b / bw / s:.0%} | {s / total:.0%} |")
+print(f"prefill steps, ms: {' '.join(prefill_ms)}")
+print(f"Triton compiles in the timed run: {len(compiles)} " + " ".join(f"{n} ({t:.2f} s)" for n, t in compiles))
