@@ -2,12 +2,15 @@
 conftest), on the GPU (marked gpu) over more and larger random shapes."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from nanovllm.attention.torch_backend import context_slots, decode_reference, prefill_reference, store_kv_reference
 from nanovllm.engine.cuda_graph import graph_batch_sizes
 from nanovllm.kernels.gemv import gemv, gemv_reference
 from nanovllm.kernels.kv_store import store_kv
 from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode, paged_prefill
+from nanovllm.kernels.rounding import round_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -113,6 +116,26 @@ def test_store_kv_matches_reference(dtype):
     store_kv(k, v, caches[0], caches[1], slots)
     store_kv_reference(k, v, caches[2], caches[3], slots)
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, n, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, round_to(tl.load(x_ptr + offs, mask=offs < n), DTYPE), mask=offs < n)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_round_to_matches_torch_casts(dtype):
+    g = torch.Generator().manual_seed(6)
+    special = torch.tensor([0.0, -0.0, 1.0, float("inf"), float("-inf"), float("nan"), 3.4e38, -3.4e38, 1e-40, 70000.0])
+    bf16_ties = (torch.arange(64, dtype=torch.int32) << 16 | 0x8000).view(torch.float32)  # exactly halfway
+    nan_payload = torch.tensor([0x7F800001, 0xFF800001], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([torch.randn(500, generator=g) * 10 ** torch.randint(-8, 8, (500,), generator=g), special,
+                   bf16_ties, nan_payload]).to(DEVICE)
+    out = torch.empty_like(x)
+    _round_kernel[(1,)](x, out, x.numel(), DTYPE=tl.bfloat16 if dtype == torch.bfloat16 else tl.float16,
+                        BLOCK=triton.next_power_of_2(x.numel()))
+    torch.testing.assert_close(out, x.to(dtype).float(), rtol=0, atol=0, equal_nan=True)
 
 
 GEMV_SHAPES = [(1, 40, 96), (3, 33, 300), (16, 64, 1024)] + ([] if DEVICE == "cpu" else [(1, 4096, 1024), (7, 1024, 3072)])

@@ -145,7 +145,7 @@ class LLMEngine:
             if token is None:
                 continue
             if ahead is not None:
-                seq.token_ids.pop()  # the placeholder makes way for the real token
+                seq.remove_placeholder()
             self._append_token(request, seq, token, logprobs)
             if request.finished:
                 done.append(self.requests.pop(seq.request_id))

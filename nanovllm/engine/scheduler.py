@@ -1,7 +1,7 @@
 from collections import deque
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import PLACEHOLDER_TOKEN, Sequence, SequenceStatus
+from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -72,7 +72,7 @@ class Scheduler:
             return False
         self.finish_step(seqs)
         for seq in seqs:
-            seq.append_token(PLACEHOLDER_TOKEN)
+            seq.append_placeholder()
             self.block_manager.allocate_slots(seq, 1)
             seq.num_scheduled_tokens = 1
         return True

@@ -68,3 +68,11 @@ class Sequence:
 
     def append_token(self, token_id: int):
         self.token_ids.append(token_id)
+
+    def append_placeholder(self):
+        """Hold the place of a token still being sampled on the device (a step launched ahead)."""
+        self.token_ids.append(PLACEHOLDER_TOKEN)
+
+    def remove_placeholder(self):
+        """Make way for the real token, now read back."""
+        self.token_ids.pop()

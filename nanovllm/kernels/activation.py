@@ -3,6 +3,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.rounding import round_to
+
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
@@ -12,8 +14,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.cons
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * stride_x + d + offs, mask=mask, other=0.0)
     g32 = gate.to(tl.float32)
-    act = (g32 / (1.0 + tl.exp(-g32))).to(gate.dtype)
-    tl.store(out_ptr + row * stride_out + offs, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    act = round_to(g32 / (1.0 + tl.exp(-g32)), gate.dtype)
+    tl.store(out_ptr + row * stride_out + offs, (act * up.to(tl.float32)).to(gate.dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.rounding import round_to
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, n, eps,
@@ -21,7 +23,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, strid
     x32 = x.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / n + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (x32 * inv_rms).to(dtype).to(tl.float32) * w
+    y = round_to(x32 * inv_rms, dtype) * w
     tl.store(out_ptr + row * stride_out + offs, y.to(dtype), mask=mask)
 
 

@@ -4,20 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _round(x, dtype: tl.constexpr):
-    """To the model dtype and back: where HF's eager code stores an intermediate in that dtype. bf16 rounds
-    (to nearest even) with integer ops: the compiler folds a cast pair that feeds an add into one fma,
-    which skips the rounding (seen on the H100: 24% of outputs one bit off the torch twin)."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    elif dtype == tl.float16:
-        return x.to(tl.float16).to(tl.float32)
-    else:
-        return x
+from nanovllm.kernels.rounding import round_to
 
 
 @triton.jit
@@ -33,10 +20,10 @@ def _rope_head(ptr, w_ptr, cos, sin, eps, half, HAS_NORM: tl.constexpr, BLOCK: t
         inv_rms = 1.0 / tl.sqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * half) + eps)
         w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + half + offs, mask=mask, other=0.0).to(tl.float32)
-        a = _round(_round(a * inv_rms, dtype) * w1, dtype)
-        b = _round(_round(b * inv_rms, dtype) * w2, dtype)
-    out1 = _round(a * cos, dtype) + _round(-(b * sin), dtype)
-    out2 = _round(b * cos, dtype) + _round(a * sin, dtype)
+        a = round_to(round_to(a * inv_rms, dtype) * w1, dtype)
+        b = round_to(round_to(b * inv_rms, dtype) * w2, dtype)
+    out1 = round_to(a * cos, dtype) + round_to(-(b * sin), dtype)
+    out2 = round_to(b * cos, dtype) + round_to(a * sin, dtype)
     tl.store(ptr + offs, out1.to(dtype), mask=mask)
     tl.store(ptr + half + offs, out2.to(dtype), mask=mask)
 
