@@ -8,6 +8,7 @@ from nanovllm.config import Config
 from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels import pdl
 from nanovllm.kernels.gemv import MAX_ROWS
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
@@ -162,6 +163,10 @@ class ModelRunner:
                 module.tables(self.dtype)  # cast now, never inside a CUDA graph capture
         if use_triton:
             log_once("fused Triton layers: RMSNorm (+ residual add), SiLU-and-mul, rotary (+ q/k RMSNorm)")
+            if pdl.ENABLED:
+                log_once("Triton kernels use programmatic dependent launch")
+            else:
+                log_once(f"programmatic dependent launch is off ({pdl.OFF_REASON}): kernels launch one after another")
 
     # ---- KV cache -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
