@@ -6,35 +6,41 @@ from dataclasses import dataclass
 
 import torch
 
-_MASK32 = 0xFFFFFFFF
+
+def _uint32_bits(x: torch.Tensor) -> torch.Tensor:
+    """Values in [0, 2**32) as int32 tensors holding the same 32 bits."""
+    return (x - ((x >> 31) << 32)).to(torch.int32)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash, in place on an int64 tensor; multipliers stay below 2**31 so nothing overflows."""
-    x ^= x >> 16
-    x.mul_(0x7FEB352D).bitwise_and_(_MASK32)
-    x ^= x >> 15
-    x.mul_(0x2C1B3C6D).bitwise_and_(_MASK32)
-    x ^= x >> 16
+    """A 32-bit integer hash, in place on int32 tensors read as uint32: products wrap mod 2**32 as uint32's
+    would, and each shift masks off the sign bits that an int32 shift brings in. Half the memory traffic of
+    int64, which makes it twice as fast on CPU; the bits equal the Triton kernel's int64 arithmetic."""
+    x ^= (x >> 16) & 0xFFFF
+    x.mul_(0x7FEB352D)
+    x ^= (x >> 15) & 0x1FFFF
+    x.mul_(0x2C1B3C6D)
+    x ^= (x >> 16) & 0xFFFF
     return x
 
 
-_token_terms: dict = {}  # (vocab size, device) -> token id * golden ratio constant, mod 2**32
+_token_terms: dict = {}  # (vocab size, device) -> token id * golden ratio constant, mod 2**32, as int32 bits
 
 
 def _token_term(vocab_size: int, device) -> torch.Tensor:
     key = (vocab_size, str(device))
     if key not in _token_terms:
-        _token_terms[key] = (torch.arange(vocab_size, device=device, dtype=torch.int64) * 0x9E3779B9) & _MASK32
+        _token_terms[key] = _uint32_bits((torch.arange(vocab_size, device=device, dtype=torch.int64) * 0x9E3779B9)
+                                         & 0xFFFFFFFF)
     return _token_terms[key]
 
 
 def log_exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """log E for Exp(1) noise E [B, V], a pure function of (seed, step, token id). Every op but the first runs
     in place on one [B, V] buffer: on CPU this is a large share of a sampled decode step."""
-    key = _mix32(seeds ^ _mix32(steps + 0x3C6EF372))
-    bits = _mix32((key[:, None] + _token_term(vocab_size, seeds.device)[None, :]).bitwise_and_(_MASK32))
-    uniform = (bits >> 8).float().add_(0.5).mul_(1.0 / (1 << 24))
+    key = _mix32(_uint32_bits(seeds) ^ _mix32(_uint32_bits(steps + 0x3C6EF372)))
+    bits = _mix32(key[:, None] + _token_term(vocab_size, seeds.device)[None, :])
+    uniform = ((bits >> 8) & 0xFFFFFF).float().add_(0.5).mul_(1.0 / (1 << 24))
     return uniform.log_().neg_().log_()
 
 
