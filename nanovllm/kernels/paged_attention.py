@@ -122,6 +122,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
     _, page, num_kv_heads, _ = k_cache.shape
     group = H // num_kv_heads
     out = torch.empty_like(q) if out is None else out
+    # one split normalizes and writes `out` itself: no partials, so the workspace pointers go unused
     acc, m, denom = decode_workspace(B, H, D, num_splits, q.device) if num_splits > 1 else (out, out, out)
     _decode_split_kernel[(B, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, acc, m, denom, out, scale,
