@@ -146,6 +146,8 @@ class ModelRunner:
             log_once(f"CUDA linears: Triton GEMV up to {MAX_ROWS} rows, cuBLAS above")
             method = TritonGemvLinearMethod
         else:
+            if self.device.type == "cuda":
+                log_once("CUDA linears: cuBLAS only (the Triton GEMV serves bf16/fp16 with the Triton backend)")
             return
         for module in self.model.modules():
             if isinstance(module, (LinearBase, LMHead)) and type(module.linear_method) is UnquantizedLinearMethod:
