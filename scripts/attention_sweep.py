@@ -7,9 +7,11 @@ import random
 import sys
 
 import torch
-from gpu_timing import copies_needed, graph_time, hbm_bandwidth
+from gpu_timing import copies_needed, graph_time
 
-from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode
+sys.path.insert(0, ".")
+from bench import measure_hbm_bandwidth  # noqa: E402
+from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode  # noqa: E402
 
 num_seqs = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 max_context = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
@@ -40,7 +42,7 @@ def make_cache(page, layout):
 q = torch.randn(num_seqs, KV_HEADS * GROUP, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
 seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
 scale = HEAD_DIM ** -0.5
-bw = hbm_bandwidth()
+bw = measure_hbm_bandwidth()
 print(f"{torch.cuda.get_device_name()}: {num_seqs} seqs, context U[100, {max_context}], "
       f"{kv_bytes / 1e9:.2f} GB of K+V a layer, copy bandwidth {bw / 1e12:.2f} TB/s")
 print("| layout | page | block_n | warps | stages | splits | us | TB/s | of copy bw | max err |")

@@ -1,12 +1,15 @@
 """The small-batch GEMV kernel against F.linear (cuBLAS) and HBM bandwidth, at real layer shapes.
 usage: python scripts/gemv_sweep.py"""
 import itertools
+import sys
 
 import torch
 import torch.nn.functional as F
-from gpu_timing import copies_needed, graph_time, hbm_bandwidth
+from gpu_timing import copies_needed, graph_time
 
-from nanovllm.kernels.gemv import gemv
+sys.path.insert(0, ".")
+from bench import measure_hbm_bandwidth  # noqa: E402
+from nanovllm.kernels.gemv import gemv  # noqa: E402
 
 SHAPES = {  # (N, K) of each projection
     "qwen3-0.6b qkv": (4096, 1024), "qwen3-0.6b o": (1024, 2048), "qwen3-0.6b gate_up": (6144, 1024),
@@ -17,7 +20,7 @@ SHAPES = {  # (N, K) of each projection
 CONFIGS = list(itertools.product((16, 32, 64), (128, 256, 512), (3, 4, 6), (4,)))
 
 
-bw = hbm_bandwidth()
+bw = measure_hbm_bandwidth()
 print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16")
 print("| shape | M | F.linear us | of bw | best gemv us | of bw | speedup | config (block_n, block_k, stages, warps) |")
 print("|---|---|---|---|---|---|---|---|")

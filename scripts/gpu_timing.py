@@ -31,17 +31,3 @@ def graph_time(calls, replays: int = 20) -> float:
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / (replays * len(calls))
 
-
-def hbm_bandwidth() -> float:
-    """Bytes read plus written per second of a 1 GiB device-to-device copy, launched eagerly: captured in a
-    graph, the copy becomes a memcpy node that the copy engines serve at ~2.4 TB/s instead of ~3.0 on the H100."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 20 / (start.elapsed_time(end) / 1e3)

@@ -1,7 +1,7 @@
 """nanovllm and llama.cpp side by side on the same GGUF file, in one device run: pp512 (prompt tok/s) and
 tg128 (bs=1 decode tok/s), as llama-bench defines them.
 
-    bash .peers/llama_bench.sh F16   # once: builds /tmp/llama.cpp/build/bin/llama-bench (see ../shared/peers)
+    bash scripts/build_llama_cpp.sh   # once: builds /tmp/llama.cpp/build/bin/llama-bench from .peers
     python scripts/peer_llama_cpp.py F16 [Q8_0 ...]
 
 .peers/ holds a copy of ../shared/peers (make_gguf.py, tok.gguf). The model is the Llama-3-8B shape with the

@@ -53,7 +53,7 @@ prefill_ms = []
 for i, (p, n) in enumerate(zip(prompts, out_lens)):
     engine.add_request(str(i), p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, seed=i,
                                                  detokenize=False))
-groups = collections.defaultdict(lambda: [0, 0.0, 0.0, 0])  # steps, seconds, bound bytes, tokens
+groups = collections.defaultdict(lambda: [0, 0.0, 0.0])  # steps, seconds, bound bytes
 torch.cuda.synchronize()
 start = time.perf_counter()
 while engine.has_unfinished_requests():
@@ -71,13 +71,12 @@ while engine.has_unfinished_requests():
     g[0] += 1
     g[1] += dt
     g[2] += runner.weight_bytes + context * runner.kv_bytes_per_token
-    g[3] += num_seqs
 total = time.perf_counter() - start
 bw = measure_hbm_bandwidth()
 print(f"{torch.cuda.get_device_name()}: {args.num_seqs} seqs, total {total:.2f} s, copy bandwidth {bw / 1e12:.2f} TB/s")
 print("| steps | count | seconds | ms/step | bound ms/step | of bound | share of run |\n|---|---|---|---|---|---|---|")
 for key in sorted(groups):
-    n, s, b, _ = groups[key]
+    n, s, b = groups[key]
     print(f"| {key} | {n} | {s:.2f} | {s / n * 1e3:.2f} | {b / bw / n * 1e3:.2f} | {b / bw / s:.0%} | {s / total:.0%} |")
 print(f"prefill steps, ms: {' '.join(prefill_ms)}")
 print(f"Triton compiles in the timed run: {len(compiles)} " + " ".join(f"{n} ({t:.2f} s)" for n, t in compiles))
