@@ -165,10 +165,9 @@ class ModelRunner:
                 module.tables(self.dtype)  # cast now, never inside a CUDA graph capture
         if use_triton:
             log_once("fused Triton layers: RMSNorm (+ residual add), SiLU-and-mul, rotary (+ q/k RMSNorm)")
-            if pdl.ENABLED:
-                log_once("Triton kernels use programmatic dependent launch")
-            else:
-                log_once(f"programmatic dependent launch is off ({pdl.OFF_REASON}): kernels launch one after another")
+            off = pdl.why_off(self.device)
+            log_once("Triton kernels use programmatic dependent launch" if off is None else
+                     f"programmatic dependent launch is off ({off}): kernels launch one after another")
 
     # ---- KV cache -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:

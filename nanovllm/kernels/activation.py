@@ -3,13 +3,13 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.pdl import LAUNCH, wait_then_release
+from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 from nanovllm.kernels.rounding import round_to
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
-    wait_then_release()
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
@@ -27,5 +27,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     assert x2.stride(-1) == 1
     out = torch.empty(x2.shape[0], d, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(d))
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), out.stride(0), d, BLOCK=block, **LAUNCH)
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), out.stride(0), d, BLOCK=block,
+                                                                **pdl_launch(x.device))
     return out.view(*x.shape[:-1], d)

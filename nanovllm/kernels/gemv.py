@@ -6,7 +6,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.pdl import LAUNCH, wait_then_release
+from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 
 MAX_ROWS = 16
 
@@ -14,8 +14,8 @@ MAX_ROWS = 16
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr):
-    wait_then_release()
+                 PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < N
@@ -52,7 +52,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=launch["num_warps"],
-        num_stages=launch["num_stages"], **LAUNCH)
+        num_stages=launch["num_stages"], **pdl_launch(x.device))
     return y
 
 

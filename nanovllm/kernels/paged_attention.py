@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.pdl import LAUNCH, wait_then_release
+from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 
 
 @triton.jit
@@ -45,8 +45,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         PRECISION: tl.constexpr):
-    wait_then_release()
+                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -82,8 +82,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
 
 @triton.jit
 def _decode_merge_kernel(acc_ptr, m_ptr, denom_ptr, out_ptr, stride_ot, stride_oh, num_heads,
-                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    wait_then_release()
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
@@ -130,10 +130,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, D_PAD=triton.next_power_of_2(D),
         PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q), num_warps=num_warps,
-        **({} if num_stages is None else {"num_stages": num_stages}), **LAUNCH)
+        **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(q.device))
     if num_splits > 1:
         _decode_merge_kernel[(B, H)](acc, m, denom, out, out.stride(0), out.stride(1), H,
-                                     HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=num_splits, **LAUNCH)
+                                     HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=num_splits, **pdl_launch(q.device))
     return out
 
 
@@ -147,8 +147,8 @@ def decode_workspace(num_seqs, num_heads, head_dim, num_splits, device):
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
-    wait_then_release()
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     seq = tl.program_id(0)
     tile = tl.program_id(1)
     head = tl.program_id(2)
@@ -191,5 +191,5 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 
                           q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
                           GROUP=H // num_kv_heads, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), PAGE=page,
-                          BLOCK_M=block_m, BLOCK_N=64, PRECISION=_precision(q), num_warps=4, **LAUNCH)
+                          BLOCK_M=block_m, BLOCK_N=64, PRECISION=_precision(q), num_warps=4, **pdl_launch(q.device))
     return out

@@ -5,14 +5,14 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.pdl import LAUNCH, wait_then_release
+from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 from nanovllm.kernels.rounding import round_to
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, n, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    wait_then_release()
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -39,6 +39,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     n = x.shape[-1]
     _rms_norm_kernel[(x2.shape[0],)](x2, res2, weight, out, x2.stride(0), res2.stride(0), out.stride(0), n, eps,
                                      HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n),
-                                     num_warps=4 if n <= 2048 else 8, **LAUNCH)
+                                     num_warps=4 if n <= 2048 else 8, **pdl_launch(x.device))
     out = out.view(x.shape)
     return out if residual is None else (out, residual)

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.pdl import LAUNCH, wait_then_release
+from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 from nanovllm.kernels.rounding import round_to
 
 
@@ -31,8 +31,8 @@ def _rope_head(ptr, w_ptr, cos, sin, eps, half, HAS_NORM: tl.constexpr, BLOCK: t
 
 @triton.jit
 def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, stride_qt, stride_qh, stride_kt,
-                   stride_kh, num_q_heads, half, eps, HAS_NORM: tl.constexpr, BLOCK: tl.constexpr):
-    wait_then_release()
+                   stride_kh, num_q_heads, half, eps, HAS_NORM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -59,5 +59,5 @@ def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torc
     _rotary_kernel[(num_tokens, num_heads + k.shape[1])](
         q, k, positions, cos, sin, q_norm_weight if has_norm else cos, k_norm_weight if has_norm else cos,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), num_heads, half, eps,
-        HAS_NORM=has_norm, BLOCK=triton.next_power_of_2(half), num_warps=1, **LAUNCH)
+        HAS_NORM=has_norm, BLOCK=triton.next_power_of_2(half), num_warps=1, **pdl_launch(q.device))
     return q, k

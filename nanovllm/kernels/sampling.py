@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.pdl import LAUNCH, wait_then_release
+from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 
 
 @triton.jit
@@ -18,8 +18,8 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, out_ptr, vocab, stride, BLOCK: tl.constexpr):
-    wait_then_release()
+def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, out_ptr, vocab, stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     row = tl.program_id(0)
     seed = tl.load(seeds_ptr + row).to(tl.int64)
     step = tl.load(steps_ptr + row).to(tl.int64)
@@ -44,5 +44,5 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
     """logits: [B, V] (filtered entries -inf) -> sampled token ids [B] int64."""
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     _gumbel_argmax_kernel[(logits.shape[0],)](logits, seeds, steps, out, logits.shape[1], logits.stride(0),
-                                              BLOCK=2048 if logits.is_cuda else 256, num_warps=8, **LAUNCH)
+                                              BLOCK=2048 if logits.is_cuda else 256, num_warps=8, **pdl_launch(logits.device))
     return out
