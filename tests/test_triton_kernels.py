@@ -171,6 +171,26 @@ def test_gumbel_argmax_matches_reference(vocab):
     assert got[0] < vocab // 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gumbel_argmax_with_temperature_matches_reference(dtype):
+    """The fused pass: logits in the model's dtype, divided by each row's temperature; rows at 0 are greedy."""
+    from nanovllm.kernels.sampling import gumbel_argmax
+    from nanovllm.layers.sampler import gumbel_argmax_reference
+
+    g = torch.Generator().manual_seed(5)
+    rows, vocab = (6, 1000) if DEVICE == "cpu" else (256, 151936)
+    logits = (torch.randn(rows, vocab, generator=g) * 3).to(dtype).to(DEVICE)
+    seeds = torch.randint(0, 1 << 32, (rows,), generator=g).to(DEVICE)
+    steps = torch.randint(0, 5000, (rows,), generator=g).to(DEVICE)
+    temperature = torch.rand(rows, generator=g).to(DEVICE) * 1.5
+    temperature[::3] = 0
+    got = gumbel_argmax(logits, seeds, steps, temperature)
+    assert got.tolist() == gumbel_argmax_reference(logits, seeds, steps, temperature).tolist()
+    assert got[::3].tolist() == logits[::3].float().argmax(-1).tolist()
+    hot = torch.full_like(temperature, 50.0)  # near-uniform draws: most rows leave the argmax
+    assert (gumbel_argmax(logits, seeds, steps, hot) != logits.float().argmax(-1)).float().mean() > 0.5
+
+
 
 def _exact_or_close(got, want, dtype):
     """bf16 results round where the twin rounds; only the fp32 sum order differs, which moves a rare last bit."""

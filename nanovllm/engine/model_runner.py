@@ -118,8 +118,10 @@ class ModelRunner:
         """Compile the sampling kernels now rather than inside the first timed step that samples."""
         if self.backend.name != "triton":
             return
-        seq = Sequence("warm-up", 0, [0], SamplingParams(temperature=1.0), seed=0, arrival=0)
-        self.sampler(torch.zeros(1, self.vocab_size, device=self.device), self.prepare_sampling([seq]))
+        for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)):
+            seq = Sequence("warm-up", 0, [0], params, seed=0, arrival=0)
+            self.sampler(torch.zeros(1, self.vocab_size, dtype=self.dtype, device=self.device),
+                         self.prepare_sampling([seq]))
 
     def _load_model(self):
         mc = self.config.model_config
@@ -237,7 +239,7 @@ class ModelRunner:
         hidden = self.model(ids, positions, meta)
         rows = min(max(cfg.max_num_seqs, PROMPT_LOGPROBS_CHUNK), num_tokens)  # sampling, or a prompt-logprobs chunk
         logits = self.model.compute_logits(hidden[:rows])
-        logits.log_softmax(-1).sort(dim=-1)  # the sampler's largest temporaries
+        logits.float().log_softmax(-1).sort(dim=-1)  # the sampler's largest temporaries
         del hidden, logits
 
     def _allocate_kv_cache(self):
@@ -419,7 +421,7 @@ class ModelRunner:
         for c in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
             chunk = slice(c, c + PROMPT_LOGPROBS_CHUNK)
             logits = self.model.compute_logits(hidden[self._to_device(rows[chunk], torch.int64)])
-            entries = self._gather_logprobs(logits.log_softmax(-1), self._to_device(targets[chunk], torch.int64), k)
+            entries = self._gather_logprobs(logits.float().log_softmax(-1), self._to_device(targets[chunk], torch.int64), k)
             for owner, entry in zip(owners[chunk], entries):
                 out[owner].append(entry)
         return out

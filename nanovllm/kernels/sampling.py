@@ -1,5 +1,7 @@
-"""Seeded categorical sampling in one pass over the logits: argmax(logits - log E), E ~ Exp(1) drawn from a
-counter-based hash of (seed, step, token id). Reference: layers.sampler.gumbel_argmax_reference."""
+"""Seeded categorical sampling in one pass over the logits: argmax(logits / temperature - log E), E ~ Exp(1)
+drawn from a counter-based hash of (seed, step, token id); a row at temperature 0 takes the plain argmax.
+The logits are read in the model's dtype, so the common case (temperature only) costs one read of them.
+Reference: layers.sampler.gumbel_argmax_reference."""
 import torch
 import triton
 import triton.language as tl
@@ -18,9 +20,12 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, out_ptr, vocab, stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, vocab, stride,
+                          HAS_TEMPERATURE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
     row = tl.program_id(0)
+    temperature = tl.load(temp_ptr + row).to(tl.float32) if HAS_TEMPERATURE else 1.0
+    divisor = tl.where(temperature > 0, temperature, 1.0)
     seed = tl.load(seeds_ptr + row).to(tl.int64)
     step = tl.load(steps_ptr + row).to(tl.int64)
     key = _mix32(seed ^ _mix32(step + 0x3C6EF372))
@@ -32,7 +37,11 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, out_ptr, vocab, stri
         logit = tl.load(logits_ptr + row * stride + offs, mask=ok, other=float("-inf")).to(tl.float32)
         bits = _mix32((key + offs.to(tl.int64) * 0x9E3779B9) & 0xFFFFFFFF)
         uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        score = tl.where(ok, logit - tl.log(-tl.log(uniform)), float("-inf"))
+        if HAS_TEMPERATURE:  # as the reference: divide (correctly rounded), then add the noise
+            logit = tl.where(temperature > 0, tl.math.div_rn(logit, divisor) - tl.log(-tl.log(uniform)), logit)
+        else:
+            logit = logit - tl.log(-tl.log(uniform))
+        score = tl.where(ok, logit, float("-inf"))
         block_best = tl.max(score, 0)
         if block_best > best:  # strict: ties keep the earliest index, as torch.argmax
             best = block_best
@@ -40,9 +49,14 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, out_ptr, vocab, stri
     tl.store(out_ptr + row, best_idx)
 
 
-def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """logits: [B, V] (filtered entries -inf) -> sampled token ids [B] int64."""
+def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                  temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [B, V] (filtered entries -inf) -> sampled token ids [B] int64. With `temperature` [B], the
+    logits are divided by it first, and rows at 0 are greedy."""
+    assert logits.stride(1) == 1
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    _gumbel_argmax_kernel[(logits.shape[0],)](logits, seeds, steps, out, logits.shape[1], logits.stride(0),
+    has_temperature = temperature is not None
+    _gumbel_argmax_kernel[(logits.shape[0],)](logits, seeds, steps, temperature if has_temperature else seeds, out,
+                                              logits.shape[1], logits.stride(0), HAS_TEMPERATURE=has_temperature,
                                               BLOCK=2048 if logits.is_cuda else 256, num_warps=8, **pdl_launch(logits.device))
     return out

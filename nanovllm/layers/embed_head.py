@@ -15,7 +15,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Hidden states -> fp32 logits; shares the embedding's weight when tied."""
+    """Hidden states -> logits in the model's dtype (the sampler reads them so); shares the embedding's weight
+    when tied."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None):
         super().__init__()
@@ -27,4 +28,4 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, hidden).float()
+        return self.linear_method.apply(self, hidden)

@@ -44,9 +44,17 @@ def log_exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: 
     return uniform.log_().neg_().log_()
 
 
-def gumbel_argmax_reference(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """A categorical draw from softmax(logits) per row: argmax(logits - log E), E ~ Exp(1)."""
-    return (logits - log_exponential_noise(seeds, steps, logits.shape[-1])).argmax(-1)
+def gumbel_argmax_reference(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                            temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """A categorical draw from softmax(logits) per row: argmax(logits - log E), E ~ Exp(1). With `temperature`,
+    from softmax(logits / temperature), and rows at temperature 0 take the argmax."""
+    logits = logits.float()
+    if temperature is None:
+        return (logits - log_exponential_noise(seeds, steps, logits.shape[-1])).argmax(-1)
+    greedy = logits.argmax(-1)
+    scaled = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    sampled = (scaled - log_exponential_noise(seeds, steps, logits.shape[-1])).argmax(-1)
+    return torch.where(temperature > 0, sampled, greedy)
 
 
 @dataclass
@@ -67,6 +75,12 @@ class SamplingTensors:
     any_top_k_p: bool
     any_min_p: bool
     max_logprobs: int  # largest top-k logprobs asked for; -1 = none
+
+    @property
+    def temperature_only(self) -> bool:
+        """No knob but temperature: sampling is one fused pass over the logits."""
+        return (self.output_counts is None and self.banned is None and not self.any_top_k_p and not self.any_min_p
+                and self.max_logprobs < 0)
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -97,7 +111,10 @@ class Sampler:
             self.draw = gumbel_argmax
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors):
-        """logits: [B, V] fp32, raw from the model. Returns (token ids [B], raw logprobs [B, V] or None)."""
+        """logits: [B, V] raw from the model, in its dtype. Returns (token ids [B], raw logprobs [B, V] or None)."""
+        if t.temperature_only:  # greedy alone: torch's argmax spreads a row over many blocks, the draw does not
+            return (logits.argmax(-1) if t.all_greedy else self.draw(logits, t.seeds, t.steps, t.temperature)), None
+        logits = logits.float()
         logprobs = logits.log_softmax(-1) if t.max_logprobs >= 0 else None
         if t.banned is not None:
             logits = logits.index_put(t.banned, torch.tensor(float("-inf"), device=logits.device))
