@@ -1,7 +1,7 @@
 """The paged decode kernel alone against HBM bandwidth, over launch configs and cache layouts.
-usage: python scripts/attention_sweep.py [num_seqs] [max_context] [configs|splits]
-configs: block and launch sizes, cache layouts and page sizes; splits: the shipped config over split counts,
-beside the count decode_num_splits picks for this batch."""
+usage: python scripts/attention_sweep.py [num_seqs] [max_context] [configs|splits] [splits for configs, 4]
+configs: block and launch sizes at one split count, cache layouts and page sizes; splits: the shipped config over
+split counts, beside the count decode_num_splits picks for this batch."""
 import itertools
 import random
 import sys
@@ -16,6 +16,7 @@ from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode  # 
 num_seqs = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 max_context = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
 mode = sys.argv[3] if len(sys.argv) > 3 else "configs"
+config_splits = int(sys.argv[4]) if len(sys.argv) > 4 else 4
 KV_HEADS, GROUP, HEAD_DIM = 8, 2, 128  # Qwen3-0.6B
 rng = random.Random(0)
 lens = [rng.randint(100, max_context) for _ in range(num_seqs)]
@@ -80,9 +81,11 @@ if mode == "splits":
     for splits in (1, 2, 4, 8, 16, 32, 64):
         run("NHD", 16, 64, 4, None, splits)
 else:
-    run("NHD", 16, 64, 4, None, 4)
-    best = min(((run("NHD", 16, bn, w, st, 4) or 1e9), bn, w, st)
-               for bn, w, st in itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4)))
+    run("NHD", 16, 64, 4, None, config_splits)
+    best = min(((run("NHD", 16, bn, w, st, config_splits) or 1e9), bn, w, st or 0)
+               for bn, w, st in itertools.product((32, 64, 128), (4, 8), (None, 2, 3, 4)))
     _, bn, w, st = best
+    st = st or None
+    print(f"best at {config_splits} splits: block_n {bn}, warps {w}, stages {st}")
     for layout, page, splits in itertools.product(("NHD", "HND"), (16, 64), (1, 2, 4, 8)):
         run(layout, page, bn, w, st, splits)
