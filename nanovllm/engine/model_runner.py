@@ -1,3 +1,4 @@
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,10 +29,6 @@ ALIGN = 16  # int32 elements: 64 bytes
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def _padded(values: list[int], length: int) -> list[int]:
-    return values + [0] * (length - len(values))
 
 
 @dataclass
@@ -262,41 +259,38 @@ class ModelRunner:
 
     def prepare_inputs(self, seqs: list[Sequence]):
         bs = self.block_size
-        ids, positions, slots = [], [], []
-        starts, seq_lens = [0], []
-        for seq in seqs:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
-            if end - start == 1:  # decode: plain ints, no per-sequence arrays (this loop runs for every sequence)
-                ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(seq.block_table[start // bs] * bs + start % bs)
-            else:
-                pos = np.arange(start, end)
-                ids.extend(seq.token_ids[start:end])
-                positions.extend(pos.tolist())
-                slots.extend((np.asarray(seq.block_table)[pos // bs] * bs + pos % bs).tolist())
-            starts.append(end - start + starts[-1])
-            seq_lens.append(end)
+        num_new = [s.num_scheduled_tokens for s in seqs]
+        starts = [0, *itertools.accumulate(num_new)]
+        n, b = starts[-1], len(seqs)
         width = _round_up(max(len(s.block_table) for s in seqs), ALIGN)
-        tables = np.zeros((len(seqs), width), dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            tables[i, :len(seq.block_table)] = seq.block_table
-        num_decodes = sum(1 for s in seqs if s.num_scheduled_tokens == 1)
-        n, b = len(ids), len(seqs)
         # One host-to-device copy for the whole step's integers, cut into views on the device. Every view
         # starts 64-byte aligned and the table's row stride is a multiple of 16, so the Triton kernels, which
         # specialize on pointer alignment and stride divisibility, never compile a variant mid-run.
-        b_pad = _round_up(b + 1, ALIGN)
-        small = np.zeros(2 * b_pad + tables.size, dtype=np.int64)
-        small[:b + 1], small[b_pad:b_pad + b], small[2 * b_pad:] = starts, seq_lens, tables.ravel()
-        n_pad = _round_up(n, ALIGN // 2)
-        packed = self._to_device(np.concatenate([_padded(ids, n_pad), _padded(positions, n_pad), _padded(slots, n_pad),
-                                                 small]), torch.int64)
+        n_pad, b_pad = _round_up(n, ALIGN // 2), _round_up(b + 1, ALIGN)
+        host = np.zeros(3 * n_pad + 2 * b_pad + b * width, dtype=np.int64)
+        ids, positions, slots = host[:n], host[n_pad:n_pad + n], host[2 * n_pad:2 * n_pad + n]
+        small = host[3 * n_pad:]
+        tables = small[2 * b_pad:].reshape(b, width)
+        seq_lens = []
+        for i, seq in enumerate(seqs):
+            start, end, at = seq.num_computed_tokens, seq.num_computed_tokens + num_new[i], starts[i]
+            table = seq.block_table
+            if end - start == 1:  # decode: scalar writes, no per-sequence arrays (this loop runs for every sequence)
+                ids[at], positions[at], slots[at] = seq.token_ids[start], start, table[start // bs] * bs + start % bs
+            else:
+                pos = np.arange(start, end)
+                ids[at:at + end - start] = seq.token_ids[start:end]
+                positions[at:at + end - start] = pos
+                slots[at:at + end - start] = np.asarray(table)[pos // bs] * bs + pos % bs
+            tables[i, :len(table)] = table
+            seq_lens.append(end)
+        small[:b + 1], small[b_pad:b_pad + b] = starts, seq_lens
+        packed = self._to_device(host, torch.int64)
         small = packed[3 * n_pad:].to(torch.int32)
         meta = AttentionMetadata(
             slot_mapping=packed[2 * n_pad:2 * n_pad + n], query_start_loc=small[:b + 1],
             seq_lens=small[b_pad:b_pad + b], block_tables=small[2 * b_pad:].view(b, width),
-            num_decodes=num_decodes, max_query_len=max(np.diff(starts)), max_seq_len=max(seq_lens),
+            num_decodes=num_new.count(1), max_query_len=max(num_new), max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
         return packed[:n], packed[n_pad:n_pad + n], meta
 
