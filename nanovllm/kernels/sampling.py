@@ -2,11 +2,15 @@
 drawn from a counter-based hash of (seed, step, token id); a row at temperature 0 takes the plain argmax.
 The logits are read in the model's dtype, so the common case (temperature only) costs one read of them.
 Reference: layers.sampler.gumbel_argmax_reference."""
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.pdl import pdl_launch, wait_then_release
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # numpy runs the kernel: small blocks are faster
 
 
 @triton.jit
@@ -58,5 +62,5 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
     has_temperature = temperature is not None
     _gumbel_argmax_kernel[(logits.shape[0],)](logits, seeds, steps, temperature if has_temperature else seeds, out,
                                               logits.shape[1], logits.stride(0), HAS_TEMPERATURE=has_temperature,
-                                              BLOCK=2048 if logits.is_cuda else 256, num_warps=8, **pdl_launch(logits.device))
+                                              BLOCK=256 if INTERPRETED else 2048, num_warps=8, **pdl_launch(logits.device))
     return out

@@ -1,0 +1,130 @@
+"""Compile every shipped Triton kernel launch for the H100 (sm_90) on a machine without a GPU.
+
+The CPU tests run the kernels under TRITON_INTERPRET=1, which executes them with numpy and never compiles them,
+so an error that only the compiler sees (a loop that changes a variable's tile shape, a bad layout) would first
+show on the device. Here each kernel wrapper runs on CPU tensors at real model shapes with its launch
+intercepted; the intercepted arguments become a signature with the specializations Triton's launcher would make
+(16-byte aligned pointers, integers divisible by 16), PDL on, and that is compiled to PTX and run through
+ptxas. Must run without TRITON_INTERPRET. usage: python scripts/compile_check.py"""
+import os
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+assert os.environ.get("TRITON_INTERPRET") != "1", "compile_check compiles kernels: run it without TRITON_INTERPRET=1"
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from nanovllm.kernels.activation import silu_and_mul  # noqa: E402
+from nanovllm.kernels.gemv import gemv  # noqa: E402
+from nanovllm.kernels.kv_store import store_kv  # noqa: E402
+from nanovllm.kernels.paged_attention import paged_decode, paged_prefill  # noqa: E402
+from nanovllm.kernels.rms_norm import rms_norm  # noqa: E402
+from nanovllm.kernels.rotary import rotary_  # noqa: E402
+from nanovllm.kernels.sampling import gumbel_argmax  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+OPTIONS = ("num_warps", "num_stages")
+POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
+                 torch.int32: "*i32"}
+launches = []  # (kernel, args, kwargs) of every launch the wrappers made
+
+
+def _record(self, *args, grid, warmup, **kwargs):
+    launches.append((self, args, kwargs))
+
+
+def _signature(kernel: JITFunction, args, kwargs):
+    """Triton's launcher types and specializes the runtime arguments; the rest are constexprs."""
+    names = [p.name for p in kernel.params if not p.is_constexpr]
+    signature, attrs = {}, {}
+    for i, (name, value) in enumerate(zip(names, args)):
+        if isinstance(value, torch.Tensor):
+            signature[name] = POINTER_TYPES[value.dtype]
+            aligned = value.data_ptr() % 16 == 0
+        elif isinstance(value, float):
+            signature[name], aligned = "fp32", False
+        else:
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            aligned = value % 16 == 0
+        if aligned:
+            attrs[(kernel.arg_names.index(name),)] = [["tt.divisibility", 16]]
+    constexprs = {k: v for k, v in kwargs.items() if k not in OPTIONS and k != "launch_pdl"}
+    constexprs["PDL"] = True
+    signature.update({k: "constexpr" for k in constexprs})
+    return signature, constexprs, attrs
+
+
+def compile_launch(kernel, args, kwargs) -> str:
+    signature, constexprs, attrs = _signature(kernel, args, kwargs)
+    options = {k: kwargs[k] for k in OPTIONS if k in kwargs}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
+                              options=options)
+    return compiled.asm["ptx"]
+
+
+def launch_everything():
+    """Every wrapper at Qwen3-0.6B shapes (and the odd sizes the tests use), as the engine calls them."""
+    g = torch.Generator().manual_seed(0)
+    bf16 = dict(dtype=torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(8, 1024, dtype=dtype, generator=g)
+        rms_norm(x, torch.ones(1024, dtype=dtype), 1e-6)
+        rms_norm(x, torch.ones(1024, dtype=dtype), 1e-6, torch.randn(8, 1024, dtype=dtype))
+        silu_and_mul(torch.randn(8, 6144, dtype=dtype))
+        qkv = torch.randn(8, 4096, dtype=dtype)
+        q, k = qkv[:, :2048].view(8, 16, 128), qkv[:, 2048:3072].view(8, 8, 128)
+        table = torch.randn(4096, 128, dtype=dtype)
+        rotary_(torch.arange(8), q, k, table, table)
+        rotary_(torch.arange(8), q, k, table, table, torch.ones(128, dtype=dtype), torch.ones(128, dtype=dtype), 1e-6)
+        for rows in (1, 16):
+            for n, k_dim in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (28672, 4096)):
+                gemv(torch.randn(rows, k_dim, dtype=dtype), torch.empty(n, k_dim, dtype=dtype))
+        gemv(torch.randn(3, 300, dtype=dtype), torch.randn(33, 300, dtype=dtype), torch.randn(33, dtype=dtype))
+        logits = torch.randn(4, 151936, dtype=dtype)
+        seeds = torch.zeros(4, dtype=torch.int64)
+        gumbel_argmax(logits, seeds, seeds)
+        gumbel_argmax(logits, seeds, seeds, torch.ones(4))
+    k_cache, v_cache = (torch.randn(64, 16, 8, 128, **bf16) for _ in range(2))
+    kv = torch.randn(8, 4096, **bf16)
+    store_kv(kv[:, 2048:3072].view(8, 8, 128), kv[:, 3072:].view(8, 8, 128), k_cache, v_cache, torch.arange(8))
+    tables = torch.zeros(8, 16, dtype=torch.int32)
+    lens = torch.full((8,), 100, dtype=torch.int32)
+    q = torch.randn(8, 16, 128, **bf16)
+    for splits in (1, 4, 16):
+        paged_decode(q, k_cache, v_cache, tables, lens, 0.088, splits)
+    starts = torch.arange(0, 9 * 8, 8, dtype=torch.int32)
+    for max_query_len in (8, 64):
+        paged_prefill(torch.randn(64, 16, 128, **bf16), k_cache, v_cache, tables, lens, starts, max_query_len, 0.088)
+
+
+def main() -> int:
+    run = JITFunction.run
+    JITFunction.run = _record
+    try:
+        launch_everything()
+    finally:
+        JITFunction.run = run
+    seen, failed = set(), 0
+    for kernel, args, kwargs in launches:
+        signature, constexprs, _ = _signature(kernel, args, kwargs)
+        key = (kernel.__name__, tuple(sorted(signature.items())), tuple(sorted(map(str, constexprs.items()))),
+               tuple(kwargs.get(k) for k in OPTIONS))
+        if key in seen:
+            continue
+        seen.add(key)
+        config = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k != "PDL")
+        try:
+            ptx = compile_launch(kernel, args, kwargs)
+            print(f"ok   {kernel.__name__}({config}): {len(ptx) // 1024} KiB of PTX")
+        except Exception as e:  # report every failure, not just the first
+            failed += 1
+            print(f"FAIL {kernel.__name__}({config}): {type(e).__name__}: {str(e)[:2000]}")
+    print(f"{len(seen)} kernel variants compiled for sm_90, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
