@@ -15,11 +15,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # numpy runs the kernel
 
 @triton.jit
 def _mix32(x):
-    # int64 arithmetic on values below 2**32 with multipliers below 2**31, exactly as the torch reference
+    # uint32: products wrap mod 2**32 and shifts are logical, the bits of the torch reference's int32 arithmetic
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x * 0x7FEB352D
     x = x ^ (x >> 15)
-    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    x = x * 0x2C1B3C6D
     return x ^ (x >> 16)
 
 
@@ -30,8 +30,8 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, v
     row = tl.program_id(0)
     temperature = tl.load(temp_ptr + row).to(tl.float32) if HAS_TEMPERATURE else 1.0
     divisor = tl.where(temperature > 0, temperature, 1.0)
-    seed = tl.load(seeds_ptr + row).to(tl.int64)
-    step = tl.load(steps_ptr + row).to(tl.int64)
+    seed = tl.load(seeds_ptr + row).to(tl.uint32)
+    step = tl.load(steps_ptr + row).to(tl.uint32)
     key = _mix32(seed ^ _mix32(step + 0x3C6EF372))
     best = float("-inf")
     best_idx = 0
@@ -39,7 +39,7 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, v
         offs = start + tl.arange(0, BLOCK)
         ok = offs < vocab
         logit = tl.load(logits_ptr + row * stride + offs, mask=ok, other=float("-inf")).to(tl.float32)
-        bits = _mix32((key + offs.to(tl.int64) * 0x9E3779B9) & 0xFFFFFFFF)
+        bits = _mix32(key + offs.to(tl.uint32) * tl.full([], 0x9E3779B9, tl.uint32))
         uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         if HAS_TEMPERATURE:  # as the reference: divide (correctly rounded), then add the noise
             logit = tl.where(temperature > 0, tl.math.div_rn(logit, divisor) - tl.log(-tl.log(uniform)), logit)
