@@ -5,9 +5,13 @@ so an error that only the compiler sees (a loop that changes a variable's tile s
 show on the device. Here each kernel wrapper runs on CPU tensors at real model shapes with its launch
 intercepted; the intercepted arguments become a signature with the specializations Triton's launcher would make
 (16-byte aligned pointers, integers divisible by 16), PDL on, and that is compiled to PTX and run through
-ptxas. Must run without TRITON_INTERPRET. usage: python scripts/compile_check.py"""
+ptxas; each variant's registers, spills and shared memory are printed. Must run without TRITON_INTERPRET.
+usage: python scripts/compile_check.py"""
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
@@ -57,12 +61,25 @@ def _signature(kernel: JITFunction, args, kwargs):
     return signature, constexprs, attrs
 
 
-def compile_launch(kernel, args, kwargs) -> str:
+def compile_launch(kernel, args, kwargs):
+    """The compiled kernel (PTX and cubin in .asm)."""
     signature, constexprs, attrs = _signature(kernel, args, kwargs)
     options = {k: kwargs[k] for k in OPTIONS if k in kwargs}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
-                              options=options)
-    return compiled.asm["ptx"]
+    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
+                          options=options)
+
+
+def resource_usage(compiled) -> str:
+    """Registers and local memory (spills) per thread, as cuobjdump reads them from the cubin, and the shared
+    memory the launch asks for."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"(REG|LOCAL):(\d+)", usage))
+    return (f"{found.get('REG', '?')} registers, {found.get('LOCAL', '?')} B local (spills), "
+            f"{compiled.metadata.shared} B shared")
 
 
 def launch_everything():
@@ -117,8 +134,7 @@ def main() -> int:
         seen.add(key)
         config = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k != "PDL")
         try:
-            ptx = compile_launch(kernel, args, kwargs)
-            print(f"ok   {kernel.__name__}({config}): {len(ptx) // 1024} KiB of PTX")
+            print(f"ok   {kernel.__name__}({config}): {resource_usage(compile_launch(kernel, args, kwargs))}")
         except Exception as e:  # report every failure, not just the first
             failed += 1
             print(f"FAIL {kernel.__name__}({config}): {type(e).__name__}: {str(e)[:2000]}")
