@@ -121,7 +121,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
     One split (large batches) reads 128-key tiles 3 stages deep: 2% faster than 64-key tiles at 256 sequences
     on the H100 (scripts/attention_sweep.py 256 2048 configs 1), where this kernel is most of the step."""
     if block_n is None:
-        block_n, num_stages = (128, 3) if num_splits == 1 else (DECODE_BLOCK_N, num_stages)
+        block_n, num_stages = (128, num_stages or 3) if num_splits == 1 else (DECODE_BLOCK_N, num_stages)
     B, H, D = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = H // num_kv_heads
