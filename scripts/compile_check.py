@@ -30,6 +30,7 @@ from nanovllm.kernels.rotary import rotary_  # noqa: E402
 from nanovllm.kernels.sampling import gumbel_argmax  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+MAX_SHARED = 227 * 1024  # the H100's shared memory a block may ask for
 OPTIONS = ("num_warps", "num_stages")
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
                  torch.int32: "*i32"}
@@ -96,9 +97,11 @@ def launch_everything():
         table = torch.randn(4096, 128, dtype=dtype)
         rotary_(torch.arange(8), q, k, table, table)
         rotary_(torch.arange(8), q, k, table, table, torch.ones(128, dtype=dtype), torch.ones(128, dtype=dtype), 1e-6)
-        for rows in (1, 16):
-            for n, k_dim in ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (28672, 4096)):
-                gemv(torch.randn(rows, k_dim, dtype=dtype), torch.empty(n, k_dim, dtype=dtype))
+        layers = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (28672, 4096))
+        for rows in (1, 16):  # fp32 GEMVs run only in the kernel tests, at their shapes
+            for n, k_dim in layers if dtype == torch.bfloat16 else ((4096, 1024), (1024, 3072)):
+                for l2_prefetch in (False, True):
+                    gemv(torch.randn(rows, k_dim, dtype=dtype), torch.empty(n, k_dim, dtype=dtype), l2_prefetch=l2_prefetch)
         gemv(torch.randn(3, 300, dtype=dtype), torch.randn(33, 300, dtype=dtype), torch.randn(33, dtype=dtype))
         logits = torch.randn(4, 151936, dtype=dtype)
         seeds = torch.zeros(4, dtype=torch.int64)
@@ -134,7 +137,10 @@ def main() -> int:
         seen.add(key)
         config = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k != "PDL")
         try:
-            print(f"ok   {kernel.__name__}({config}): {resource_usage(compile_launch(kernel, args, kwargs))}")
+            compiled = compile_launch(kernel, args, kwargs)
+            if compiled.metadata.shared > MAX_SHARED:
+                raise RuntimeError(f"asks for {compiled.metadata.shared} B of shared memory, over the {MAX_SHARED} B a block has")
+            print(f"ok   {kernel.__name__}({config}): {resource_usage(compiled)}")
         except Exception as e:  # report every failure, not just the first
             failed += 1
             print(f"FAIL {kernel.__name__}({config}): {type(e).__name__}: {str(e)[:2000]}")

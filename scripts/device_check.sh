@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
-#   bash scripts/device_check.sh [tests|bench|all|big|peer|profile]
+#   bash scripts/device_check.sh [tests|bench|all|big|peer|profile|l2]
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -14,6 +14,8 @@ fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench.py 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -8
   python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO | tee "$OUT/bench_decode1_qwen3.md" | tail -5
+  NANOVLLM_GEMV_L2_PREFETCH=1 python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO \
+    | tee "$OUT/bench_decode1_qwen3_l2_prefetch.md" | tail -3
   python3 bench.py --mode sweep --plot "$OUT/decode_vs_batch.png" 2>&1 | grep -v INFO | tee "$OUT/bench_sweep.md" | tail -9
 fi
 if [[ $what == profile ]]; then  # where the time goes: steps, kernels, and the two hot kernels alone
@@ -21,6 +23,9 @@ if [[ $what == profile ]]; then  # where the time goes: steps, kernels, and the 
   for n in 256 1; do python3 scripts/profile_step.py qwen3-0.6b $n 2>&1 | grep -v INFO > "$OUT/profile_step_$n.txt"; done
   python3 scripts/attention_sweep.py 256 2048 2>&1 | tee "$OUT/attention_sweep.md" | tail -3
   python3 scripts/gemv_sweep.py 2>&1 | tee "$OUT/gemv_sweep.md" | tail -3
+fi
+if [[ $what == l2 ]]; then  # the experimental L2 prefetch of GEMV weights, kernel by kernel
+  python3 scripts/gemv_sweep.py l2 2>&1 | tee "$OUT/gemv_l2_prefetch.md" | tail -20
 fi
 if [[ $what == peer ]]; then  # after scripts/build_llama_cpp.sh
   python3 scripts/peer_llama_cpp.py F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp.md" | tail -4

@@ -153,6 +153,8 @@ def test_gemv_matches_linear(rows, n, k, dtype, bias):
     torch.testing.assert_close(gemv(x, w, b).float(), want, **_tol(dtype))
     tiles = dict(block_n=16, block_k=64, num_stages=2, num_warps=4)  # K and N tails that the default tiles cover
     torch.testing.assert_close(gemv(x, w, b, **tiles).float(), want, **_tol(dtype))
+    if DEVICE == "cuda":  # the L2 prefetch before the PDL wait (compiled only under PDL) changes no value
+        assert torch.equal(gemv(x, w, b, l2_prefetch=True), gemv(x, w, b, l2_prefetch=False))
 
 
 @pytest.mark.parametrize("vocab", [300, 4099] if DEVICE == "cpu" else [300, 4099, 151936])

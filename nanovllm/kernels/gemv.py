@@ -1,24 +1,32 @@
 """y = x W^T (+ b) for a few rows of x (decode at small batch), where reading W is the whole cost.
 Each program owns BLOCK_N output columns and streams their rows of W once, pipelined; the x rows ride
-along padded to BLOCK_M. Reference: F.linear."""
+along padded to BLOCK_M. With l2_prefetch (experimental, NANOVLLM_GEMV_L2_PREFETCH=1, not yet measured), each
+program first asks L2 for its rows of W, before the PDL wait. Reference: F.linear."""
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.l2_prefetch import prefetch_rows_l2
 from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 
 MAX_ROWS = 16
+L2_PREFETCH = os.environ.get("NANOVLLM_GEMV_L2_PREFETCH", "0") == "1"
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, PDL: tl.constexpr):
-    wait_then_release(PDL)
+                 PRECISION: tl.constexpr, L2_PIECES: tl.constexpr, PDL: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < N
+    if PDL:
+        if L2_PIECES > 0:  # W is read-only: start its rows toward L2 while the kernel before is still running
+            prefetch_rows_l2(w_ptr + tl.where(col_ok, cols, 0).to(tl.int64) * stride_wn, K, L2_PIECES)
+    wait_then_release(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
@@ -40,18 +48,29 @@ def launch_config(n: int, k: int) -> dict:
     return dict(block_n=16 if n <= 2048 else 32, block_k=block_k, num_stages=6 if block_k == 128 else 4, num_warps=4)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **launch) -> torch.Tensor:
+def _l2_pieces(weight: torch.Tensor, block_n: int, num_warps: int) -> int:
+    """Bulk prefetch requests per row of W: one per thread in all; 0 where the rows are not 16-byte aligned
+    pieces."""
+    pieces = max(1, 32 * num_warps // block_n)
+    row_bytes = weight.shape[1] * weight.element_size()
+    aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
+    return pieces if aligned and row_bytes % (16 * pieces) == 0 else 0
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, l2_prefetch: bool = L2_PREFETCH,
+         **launch) -> torch.Tensor:
     """x: [M <= MAX_ROWS, K], weight: [N, K] (rows contiguous) -> [M, N]. launch: block_n, block_k,
     num_stages, num_warps (default: launch_config)."""
     M, K = x.shape
     N = weight.shape[0]
     assert M <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
     launch = launch or launch_config(N, K)
+    pieces = _l2_pieces(weight, launch["block_n"], launch["num_warps"]) if l2_prefetch else 0
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, launch["block_n"]),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=launch["num_warps"],
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", L2_PIECES=pieces, num_warps=launch["num_warps"],
         num_stages=launch["num_stages"], **pdl_launch(x.device))
     return y
 
