@@ -103,10 +103,10 @@ def launch_everything():
                 for l2_prefetch in (False, True):
                     gemv(torch.randn(rows, k_dim, dtype=dtype), torch.empty(n, k_dim, dtype=dtype), l2_prefetch=l2_prefetch)
         gemv(torch.randn(3, 300, dtype=dtype), torch.randn(33, 300, dtype=dtype), torch.randn(33, dtype=dtype))
-        logits = torch.randn(4, 151936, dtype=dtype)
-        seeds = torch.zeros(4, dtype=torch.int64)
-        gumbel_argmax(logits, seeds, seeds)
-        gumbel_argmax(logits, seeds, seeds, torch.ones(4))
+        for rows, splits in ((256, 1), (4, None), (1, 64)):  # this CPU counts as 4 SMs: pick the H100's splits
+            logits, seeds = torch.empty(rows, 151936, dtype=dtype), torch.zeros(rows, dtype=torch.int64)
+            gumbel_argmax(logits, seeds, seeds, num_splits=splits)
+            gumbel_argmax(logits, seeds, seeds, torch.ones(rows), num_splits=splits)
     k_cache, v_cache = (torch.randn(64, 16, 8, 128, **bf16) for _ in range(2))
     kv = torch.randn(8, 4096, **bf16)
     store_kv(kv[:, 2048:3072].view(8, 8, 128), kv[:, 3072:].view(8, 8, 128), k_cache, v_cache, torch.arange(8))

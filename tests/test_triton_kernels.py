@@ -158,7 +158,9 @@ def test_gemv_matches_linear(rows, n, k, dtype, bias):
 
 
 @pytest.mark.parametrize("vocab", [300, 4099] if DEVICE == "cpu" else [300, 4099, 151936])
-def test_gumbel_argmax_matches_reference(vocab):
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_gumbel_argmax_matches_reference(vocab, num_splits):
+    """Every split count draws the reference's tokens: the splits' best scores merge to the row's first argmax."""
     from nanovllm.kernels.sampling import gumbel_argmax
     from nanovllm.layers.sampler import gumbel_argmax_reference
 
@@ -166,11 +168,12 @@ def test_gumbel_argmax_matches_reference(vocab):
     rows = 5 if DEVICE == "cpu" else 64
     logits = (torch.randn(rows, vocab, generator=g) * 2).to(DEVICE)
     logits[0, vocab // 2:] = float("-inf")  # filtered tokens are never drawn
+    logits[1, :-1] = float("-inf")  # only the last token, in the last split, is left
     seeds = torch.randint(0, 1 << 32, (rows,), generator=g).to(DEVICE)
     steps = torch.randint(0, 5000, (rows,), generator=g).to(DEVICE)
-    got = gumbel_argmax(logits, seeds, steps)
+    got = gumbel_argmax(logits, seeds, steps, num_splits=num_splits)
     assert got.tolist() == gumbel_argmax_reference(logits, seeds, steps).tolist()
-    assert got[0] < vocab // 2
+    assert got[0] < vocab // 2 and got[1] == vocab - 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,7 +1,9 @@
 """Seeded categorical sampling in one pass over the logits: argmax(logits / temperature - log E), E ~ Exp(1)
 drawn from a counter-based hash of (seed, step, token id); a row at temperature 0 takes the plain argmax.
-The logits are read in the model's dtype, so the common case (temperature only) costs one read of them.
+The logits are read in the model's dtype, so the common case (temperature only) costs one read of them. A
+batch of few rows splits each row's vocabulary over several programs, whose best scores a second kernel merges.
 Reference: layers.sampler.gumbel_argmax_reference."""
+import functools
 import os
 
 import torch
@@ -23,21 +25,26 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
-def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, vocab, stride,
-                          HAS_TEMPERATURE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+@triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count: none mid-run
+def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, part_score_ptr, part_idx_ptr, vocab,
+                          stride, split_len, num_splits, HAS_TEMPERATURE: tl.constexpr, BLOCK: tl.constexpr,
+                          PDL: tl.constexpr):
+    """One program per (row, vocabulary split): the best score of its split and where it is."""
     wait_then_release(PDL)
     row = tl.program_id(0)
+    split = tl.program_id(1)
     temperature = tl.load(temp_ptr + row).to(tl.float32) if HAS_TEMPERATURE else 1.0
     divisor = tl.where(temperature > 0, temperature, 1.0)
     seed = tl.load(seeds_ptr + row).to(tl.uint32)
     step = tl.load(steps_ptr + row).to(tl.uint32)
     key = _mix32(seed ^ _mix32(step + 0x3C6EF372))
+    begin = split * split_len
+    end = tl.minimum(begin + split_len, vocab)
     best = float("-inf")
-    best_idx = 0
-    for start in range(0, vocab, BLOCK):
+    best_idx = begin
+    for start in range(begin, end, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        ok = offs < vocab
+        ok = offs < end
         logit = tl.load(logits_ptr + row * stride + offs, mask=ok, other=float("-inf")).to(tl.float32)
         bits = _mix32(key + offs.to(tl.uint32) * tl.full([], 0x9E3779B9, tl.uint32))
         uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
@@ -50,17 +57,64 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, v
         if block_best > best:  # strict: ties keep the earliest index, as torch.argmax
             best = block_best
             best_idx = start + tl.argmax(score, 0)
-    tl.store(out_ptr + row, best_idx)
+    if num_splits == 1:
+        tl.store(out_ptr + row, best_idx)
+    else:
+        tl.store(part_score_ptr + row * num_splits + split, best)
+        tl.store(part_idx_ptr + row * num_splits + split, best_idx)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _gumbel_merge_kernel(part_score_ptr, part_idx_ptr, out_ptr, num_splits, MAX_SPLITS: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_then_release(PDL)
+    row = tl.program_id(0)
+    s = tl.arange(0, MAX_SPLITS)
+    scores = tl.load(part_score_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
+    winner = tl.argmax(scores, 0, tie_break_left=True)  # ties: the earliest split, which holds the earlier ids
+    tl.store(out_ptr + row, tl.load(part_idx_ptr + row * num_splits + winner))
+
+
+def _block() -> int:
+    return 256 if INTERPRETED else 2048
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+MAX_SPLITS = 64
+
+
+def sample_num_splits(rows: int, vocab: int, num_sms: int) -> int:
+    """Vocabulary splits per row: about four programs per SM, so that a few rows still use the whole GPU (one
+    program reading a 150K vocabulary alone takes ~100 us on the H100), and at least one block per split."""
+    wanted = triton.next_power_of_2(triton.cdiv(4 * num_sms, rows))
+    most = 1 << (triton.cdiv(vocab, _block()).bit_length() - 1)  # the largest power of two <= the block count
+    return max(1, min(wanted, most, MAX_SPLITS))
 
 
 def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-                  temperature: torch.Tensor | None = None) -> torch.Tensor:
+                  temperature: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """logits: [B, V] (filtered entries -inf) -> sampled token ids [B] int64. With `temperature` [B], the
-    logits are divided by it first, and rows at 0 are greedy."""
+    logits are divided by it first, and rows at 0 are greedy. num_splits: vocabulary splits per row (default:
+    sample_num_splits); their best scores merge in a second kernel."""
     assert logits.stride(1) == 1
-    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    rows, vocab = logits.shape
+    splits = num_splits or sample_num_splits(rows, vocab, _num_sms(logits.device))
+    assert 1 <= splits <= MAX_SPLITS
+    block = _block()
+    split_len = triton.cdiv(triton.cdiv(vocab, splits), block) * block
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    # the workspaces exist even unused (one split), so that one compiled kernel serves every split count
+    part_score = torch.empty(rows * splits, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(rows * splits, dtype=torch.int64, device=logits.device)
     has_temperature = temperature is not None
-    _gumbel_argmax_kernel[(logits.shape[0],)](logits, seeds, steps, temperature if has_temperature else seeds, out,
-                                              logits.shape[1], logits.stride(0), HAS_TEMPERATURE=has_temperature,
-                                              BLOCK=256 if INTERPRETED else 2048, num_warps=8, **pdl_launch(logits.device))
+    launch = pdl_launch(logits.device)
+    _gumbel_argmax_kernel[(rows, splits)](logits, seeds, steps, temperature if has_temperature else seeds, out,
+                                          part_score, part_idx, vocab, logits.stride(0), split_len, splits,
+                                          HAS_TEMPERATURE=has_temperature, BLOCK=block, num_warps=8, **launch)
+    if splits > 1:
+        _gumbel_merge_kernel[(rows,)](part_score, part_idx, out, splits, MAX_SPLITS=MAX_SPLITS, **launch)
     return out
