@@ -79,7 +79,8 @@ def timed_generate(llm, prompts, params, device):
 
 def run_ours(args, model, prompts, out_lens, dtype):
     llm = LLM(model, device=args.device, dtype=dtype, enforce_eager=args.enforce_eager,
-              max_model_len=max(map(len, prompts)) + max(out_lens), max_num_seqs=args.max_num_seqs)
+              max_model_len=max(map(len, prompts)) + max(out_lens), max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     timed_generate(llm, prompts[:2], SamplingParams(max_tokens=4), args.device)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, seed=i, detokenize=False)
               for i, n in enumerate(out_lens)]
@@ -130,7 +131,8 @@ def bench_throughput(args, model, dtype, vocab):
     total_out = sum(out_lens)
     seconds, bytes_read, _ = run_ours(args, model, prompts, out_lens, dtype)
     print(header(args, dtype, f"{args.num_seqs} seqs, input U{args.input_len} ({sum(map(len, prompts))} tok), "
-                              f"output U{args.output_len} ({total_out} tok), eager={args.enforce_eager}"))
+                              f"output U{args.output_len} ({total_out} tok), eager={args.enforce_eager}, "
+                              f"max_num_batched_tokens={args.max_num_batched_tokens or 'default'}"))
     print("| engine | output tokens | seconds | output tok/s | vs nanovllm | roofline |\n|---|---|---|---|---|---|")
     roofline = ""
     if args.device.startswith("cuda"):
@@ -240,6 +242,7 @@ def main():
     ap.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
     ap.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="throughput mode; default: the engine's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256], help="sweep mode")
