@@ -112,7 +112,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors):
         """logits: [B, V] raw from the model, in its dtype. Returns (token ids [B], raw logprobs [B, V] or None)."""
-        if t.temperature_only:  # greedy alone: torch's argmax spreads a row over many blocks, the draw does not
+        if t.temperature_only:  # an all-greedy batch needs no noise: torch's argmax
             return (logits.argmax(-1) if t.all_greedy else self.draw(logits, t.seeds, t.steps, t.temperature)), None
         logits = logits.float()
         logprobs = logits.log_softmax(-1) if t.max_logprobs >= 0 else None
