@@ -1,10 +1,8 @@
 """The GPU default: Triton paged attention (store, split-K decode, varlen prefill over a cached prefix)."""
-
-import torch
-
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.torch_backend import TorchAttentionBackend
+from nanovllm.kernels import num_sms
 from nanovllm.kernels.kv_store import store_kv
 from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode, paged_prefill
 
@@ -15,7 +13,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, max_model_len: int):
         self.max_model_len = max_model_len
-        self._num_sms = None
         self._reference = TorchAttentionBackend()  # for the memory-profiling run, which has no cache
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
@@ -23,12 +20,8 @@ class TritonAttentionBackend(AttentionBackend):
             return self._reference.forward(q, k, v, None, None, meta, scale)
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.num_decodes == meta.num_seqs:
-            splits = decode_num_splits(meta.num_seqs, k_cache.shape[2], self.max_model_len, self.num_sms(q.device))
+            splits = decode_num_splits(meta.num_seqs, k_cache.shape[2], self.max_model_len, num_sms(q.device))
             return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits)
         return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                              meta.max_query_len, scale)
 
-    def num_sms(self, device) -> int:
-        if self._num_sms is None:
-            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        return self._num_sms

@@ -3,13 +3,13 @@ drawn from a counter-based hash of (seed, step, token id); a row at temperature 
 The logits are read in the model's dtype, so the common case (temperature only) costs one read of them. A
 batch of few rows splits each row's vocabulary over several programs, whose best scores a second kernel merges.
 Reference: layers.sampler.gumbel_argmax_reference."""
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels import num_sms
 from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # numpy runs the kernel: small blocks are faster
@@ -79,11 +79,6 @@ def _block() -> int:
     return 256 if INTERPRETED else 2048
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 MAX_SPLITS = 64
 
 
@@ -102,7 +97,7 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
     sample_num_splits); their best scores merge in a second kernel."""
     assert logits.stride(1) == 1
     rows, vocab = logits.shape
-    splits = num_splits or sample_num_splits(rows, vocab, _num_sms(logits.device))
+    splits = num_splits or sample_num_splits(rows, vocab, num_sms(logits.device))
     assert 1 <= splits <= MAX_SPLITS
     block = _block()
     split_len = triton.cdiv(triton.cdiv(vocab, splits), block) * block
