@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
-#   bash scripts/device_check.sh [tests|bench|all|big|peer|profile|l2]
+#   bash scripts/device_check.sh [tests|bench|all|big|peer|profile|gemv]
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,8 +25,9 @@ if [[ $what == profile ]]; then  # where the time goes: steps, kernels, and the 
   python3 scripts/attention_sweep.py 256 2048 2>&1 | tee "$OUT/attention_sweep.md" | tail -3
   python3 scripts/gemv_sweep.py 2>&1 | tee "$OUT/gemv_sweep.md" | tail -3
 fi
-if [[ $what == l2 ]]; then  # the experimental L2 prefetch of GEMV weights, kernel by kernel
+if [[ $what == gemv ]]; then  # the GEMV experiments not yet measured: L2 prefetch of W, the CUDA-core row kernel
   python3 scripts/gemv_sweep.py l2 2>&1 | tee "$OUT/gemv_l2_prefetch.md" | tail -20
+  python3 scripts/gemv_sweep.py row 2>&1 | tee "$OUT/gemv_row_kernel.md" | tail -11
 fi
 if [[ $what == peer ]]; then  # after scripts/build_llama_cpp.sh
   python3 scripts/peer_llama_cpp.py F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp.md" | tail -4

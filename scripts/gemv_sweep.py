@@ -1,7 +1,8 @@
 """The small-batch GEMV kernel against F.linear (cuBLAS) and HBM bandwidth, at real layer shapes.
-usage: python scripts/gemv_sweep.py [tiles|l2]
+usage: python scripts/gemv_sweep.py [tiles|l2|row]
 tiles (default): the best of CONFIGS per shape; l2: the shipped tiles without and with the L2 prefetch of W
-before the PDL wait (back to back in one graph, each GEMV's prefetch overlaps the one before)."""
+before the PDL wait (back to back in one graph, each GEMV's prefetch overlaps the one before); row: one row of x,
+the shipped MMA kernel against the best tiles of the CUDA-core row kernel."""
 import itertools
 import sys
 
@@ -36,10 +37,36 @@ def l2_prefetch_table(bw):
         del weights
 
 
+def row_kernel_table(bw):
+    configs = list(itertools.product((2, 4, 8, 16), (512, 1024, 2048), (1, 3), (4, 8)))
+    print("| shape | shipped gemv us | of bw | best row kernel us | of bw | config (block_n, block_k, stages, warps) |")
+    print("|---|---|---|---|---|---|")
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies_needed(nbytes))]
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        want = F.linear(x, weights[0])
+        shipped = graph_time([lambda w=w: gemv(x, w) for w in weights])
+        best = (float("inf"), None)
+        for bn, bk, st, wp in configs:
+            launch = dict(block_n=bn, block_k=bk, num_stages=st, num_warps=wp)
+            try:
+                got = gemv(x, weights[0], row_kernel=True, **launch)
+            except Exception:  # out of resources
+                continue
+            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+            best = min(best, (graph_time([lambda w=w: gemv(x, w, row_kernel=True, **launch) for w in weights]),
+                              (bn, bk, st, wp)))
+        s, cfg = best
+        print(f"| {name} | {shipped * 1e6:.1f} | {nbytes / shipped / bw:.0%} | {s * 1e6:.1f} | {nbytes / s / bw:.0%} "
+              f"| {cfg} |")
+        del weights
+
+
 bw = measure_hbm_bandwidth()
 print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16")
-if sys.argv[1:] == ["l2"]:
-    l2_prefetch_table(bw)
+if sys.argv[1:] in (["l2"], ["row"]):
+    (l2_prefetch_table if sys.argv[1] == "l2" else row_kernel_table)(bw)
     sys.exit()
 print("| shape | M | F.linear us | of bw | best gemv us | of bw | speedup | config (block_n, block_k, stages, warps) |")
 print("|---|---|---|---|---|---|---|---|")

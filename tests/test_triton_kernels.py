@@ -155,6 +155,10 @@ def test_gemv_matches_linear(rows, n, k, dtype, bias):
     torch.testing.assert_close(gemv(x, w, b, **tiles).float(), want, **_tol(dtype))
     if DEVICE == "cuda":  # the L2 prefetch before the PDL wait (compiled only under PDL) changes no value
         assert torch.equal(gemv(x, w, b, l2_prefetch=True), gemv(x, w, b, l2_prefetch=False))
+    if rows == 1:  # the CUDA-core kernel for one row, at its default tiles and at tiles with K and N tails
+        torch.testing.assert_close(gemv(x, w, b, row_kernel=True).float(), want, **_tol(dtype))
+        row_tiles = dict(block_n=4, block_k=64, num_stages=2, num_warps=4)
+        torch.testing.assert_close(gemv(x, w, b, row_kernel=True, **row_tiles).float(), want, **_tol(dtype))
 
 
 @pytest.mark.parametrize("vocab", [300, 4099] if DEVICE == "cpu" else [300, 4099, 151936])

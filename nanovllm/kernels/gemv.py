@@ -1,7 +1,8 @@
 """y = x W^T (+ b) for a few rows of x (decode at small batch), where reading W is the whole cost.
 Each program owns BLOCK_N output columns and streams their rows of W once, pipelined; the x rows ride
-along padded to BLOCK_M. With l2_prefetch (experimental, NANOVLLM_GEMV_L2_PREFETCH=1, not yet measured), each
-program first asks L2 for its rows of W, before the PDL wait. Reference: F.linear."""
+along padded to BLOCK_M (or, with row_kernel, one row of x on the CUDA cores). With l2_prefetch
+(experimental, NANOVLLM_GEMV_L2_PREFETCH=1, not yet measured), each program first asks L2 for its rows of W,
+before the PDL wait. Reference: F.linear."""
 import os
 
 import torch
@@ -41,6 +42,30 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
              mask=(rows[:, None] < M) & col_ok[None, :])
 
 
+@triton.jit
+def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, L2_PIECES: tl.constexpr, PDL: tl.constexpr):
+    """One row of x, multiplied and summed on the CUDA cores instead of padded to an MMA tile, so that a program
+    may own as few as one output column: N = 1024 outputs make 128-1024 programs instead of 64."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if PDL:
+        if L2_PIECES > 0:
+            prefetch_rows_l2(w_ptr + tl.where(col_ok, cols, 0).to(tl.int64) * stride_wn, K, L2_PIECES)
+    wait_then_release(PDL)
+    y = tl.zeros([BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):  # a long BLOCK_K puts many loads in flight: these loads are not pipelined
+        ks = k + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        y += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
+
+
 def launch_config(n: int, k: int) -> dict:
     """Tile sizes that did best for each layer shape of Qwen3-0.6B and Llama-3-8B on the H100
     (scripts/gemv_sweep.py): narrow column blocks for narrow outputs, long K tiles for long rows."""
@@ -58,15 +83,26 @@ def _l2_pieces(weight: torch.Tensor, block_n: int, num_warps: int) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, l2_prefetch: bool = L2_PREFETCH,
-         **launch) -> torch.Tensor:
+         row_kernel: bool = False, **launch) -> torch.Tensor:
     """x: [M <= MAX_ROWS, K], weight: [N, K] (rows contiguous) -> [M, N]. launch: block_n, block_k,
-    num_stages, num_warps (default: launch_config)."""
+    num_stages, num_warps (default: launch_config). row_kernel (one row of x only): the CUDA-core kernel, which
+    scripts/gemv_sweep.py row times against the MMA one; not yet measured, so nothing calls it by default."""
     M, K = x.shape
     N = weight.shape[0]
     assert M <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
-    launch = launch or launch_config(N, K)
+    if row_kernel:
+        assert M == 1
+        launch = launch or dict(block_n=8, block_k=1024, num_stages=1, num_warps=4)
+    else:
+        launch = launch or launch_config(N, K)
     pieces = _l2_pieces(weight, launch["block_n"], launch["num_warps"]) if l2_prefetch else 0
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if row_kernel:
+        _gemv_row_kernel[(triton.cdiv(N, launch["block_n"]),)](
+            x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
+            BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"], L2_PIECES=pieces, num_warps=launch["num_warps"],
+            num_stages=launch["num_stages"], **pdl_launch(x.device))
+        return y
     _gemv_kernel[(triton.cdiv(N, launch["block_n"]),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
