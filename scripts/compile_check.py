@@ -105,6 +105,8 @@ def launch_everything():
                     if rows == 1:
                         gemv(torch.randn(1, k_dim, dtype=dtype), torch.empty(n, k_dim, dtype=dtype), l2_prefetch=l2_prefetch,
                              row_kernel=True)
+                        gemv(torch.randn(1, 2 * k_dim, dtype=dtype), torch.empty(n, k_dim, dtype=dtype),
+                             l2_prefetch=l2_prefetch, row_kernel=True, silu_mul=True)
         gemv(torch.randn(3, 300, dtype=dtype), torch.randn(33, 300, dtype=dtype), torch.randn(33, dtype=dtype))
         for rows, splits in ((256, 1), (4, None), (1, 64)):  # this CPU counts as 4 SMs: pick the H100's splits
             logits, seeds = torch.empty(rows, 151936, dtype=dtype), torch.zeros(rows, dtype=torch.int64)

@@ -15,8 +15,11 @@ if [[ $what == bench || $what == all ]]; then
   python3 bench.py 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -8
   python3 bench.py --max-num-batched-tokens 16384 2>&1 | grep -v INFO | tee "$OUT/bench_throughput_16k.md" | tail -3
   python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO | tee "$OUT/bench_decode1_qwen3.md" | tail -5
-  NANOVLLM_GEMV_L2_PREFETCH=1 python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO \
-    | tee "$OUT/bench_decode1_qwen3_l2_prefetch.md" | tail -3
+  for flags in NANOVLLM_GEMV_L2_PREFETCH=1 NANOVLLM_GEMV_ROW=1 "NANOVLLM_GEMV_ROW=1 NANOVLLM_GEMV_L2_PREFETCH=1"; do
+    echo "decode1 with $flags (experimental GEMV paths, not yet measured)"
+    env $flags python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO \
+      | tee "$OUT/bench_decode1_qwen3_${flags// /_}.md" | tail -1
+  done
   python3 bench.py --mode sweep --plot "$OUT/decode_vs_batch.png" 2>&1 | grep -v INFO | tee "$OUT/bench_sweep.md" | tail -9
 fi
 if [[ $what == profile ]]; then  # where the time goes: steps, kernels, and the two hot kernels alone
@@ -28,6 +31,8 @@ fi
 if [[ $what == gemv ]]; then  # the GEMV experiments not yet measured: L2 prefetch of W, the CUDA-core row kernel
   python3 scripts/gemv_sweep.py l2 2>&1 | tee "$OUT/gemv_l2_prefetch.md" | tail -20
   python3 scripts/gemv_sweep.py row 2>&1 | tee "$OUT/gemv_row_kernel.md" | tail -11
+  NANOVLLM_GEMV_ROW=1 NANOVLLM_GEMV_L2_PREFETCH=1 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py 2>&1 \
+    | grep -v "Loading weights" | tee "$OUT/gpu_tests_gemv_experiments.log" | tail -8
 fi
 if [[ $what == peer ]]; then  # after scripts/build_llama_cpp.sh
   python3 scripts/peer_llama_cpp.py F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp.md" | tail -4

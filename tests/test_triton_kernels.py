@@ -161,6 +161,43 @@ def test_gemv_matches_linear(rows, n, k, dtype, bias):
         torch.testing.assert_close(gemv(x, w, b, row_kernel=True, **row_tiles).float(), want, **_tol(dtype))
 
 
+@pytest.mark.parametrize("n,k", [(40, 96), (64, 1024)] + ([] if DEVICE == "cpu" else [(1024, 3072)]))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_gemv_with_silu_and_mul_matches_twin(n, k, dtype):
+    """The one-row down projection reading the stacked gate_up projection: F.linear after the torch SiluAndMul."""
+    from nanovllm.layers.activation import SiluAndMul
+
+    g = torch.Generator().manual_seed(6)
+    gate_up, w = (torch.randn(*shape, generator=g).to(dtype).to(DEVICE) for shape in ((1, 2 * k), (n, k)))
+    want = gemv_reference(SiluAndMul().forward_native(gate_up).float(), w.float())
+    torch.testing.assert_close(gemv(gate_up, w, row_kernel=True, silu_mul=True).float(), want, **_tol(dtype))
+    tails = dict(block_n=4, block_k=64, num_stages=1, num_warps=4)
+    torch.testing.assert_close(gemv(gate_up, w, row_kernel=True, silu_mul=True, **tails).float(), want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_mlp_on_gemv_method_with_row_kernel_matches_native(rows, monkeypatch):
+    """With the row kernel on, one row takes the fused SiLU-and-mul down projection, two rows the unfused path."""
+    from types import SimpleNamespace
+
+    import nanovllm.kernels.gemv as gemv_module
+    from nanovllm.layers.linear import TritonGemvLinearMethod
+    from nanovllm.models.llama import LlamaMLP
+
+    monkeypatch.setattr(gemv_module, "ROW_KERNEL", True)
+    torch.manual_seed(7)
+    mlp = LlamaMLP(SimpleNamespace(hidden_size=64, intermediate_size=96, hidden_act="silu")).to(DEVICE)
+    for param in mlp.parameters():
+        torch.nn.init.normal_(param, std=0.2)
+    x = torch.randn(rows, 64, device=DEVICE)
+    want = mlp(x)
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        linear.linear_method = TritonGemvLinearMethod()
+    mlp.act.use_triton = True
+    assert (mlp.down_proj.linear_method.apply_silu_and_mul(mlp.down_proj, mlp.gate_up_proj(x)) is not None) == (rows == 1)
+    torch.testing.assert_close(mlp(x), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("vocab", [300, 4099] if DEVICE == "cpu" else [300, 4099, 151936])
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
 def test_gumbel_argmax_matches_reference(vocab, num_splits):

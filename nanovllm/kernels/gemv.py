@@ -10,11 +10,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.activation import silu_mul as silu_mul_values
 from nanovllm.kernels.l2_prefetch import prefetch_rows_l2
 from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 
 MAX_ROWS = 16
 L2_PREFETCH = os.environ.get("NANOVLLM_GEMV_L2_PREFETCH", "0") == "1"
+ROW_KERNEL = os.environ.get("NANOVLLM_GEMV_ROW", "0") == "1"
 
 
 @triton.jit
@@ -43,10 +45,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 
 
 @triton.jit
-def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, L2_PIECES: tl.constexpr, PDL: tl.constexpr):
+def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, L2_PIECES: tl.constexpr, PDL: tl.constexpr):
     """One row of x, multiplied and summed on the CUDA cores instead of padded to an MMA tile, so that a program
-    may own as few as one output column: N = 1024 outputs make 128-1024 programs instead of 64."""
+    may own as few as one output column: N = 1024 outputs make 128-1024 programs instead of 64. With SILU_MUL,
+    x is the stacked [gate | up] projection (2K long) and x = silu(gate) * up as it is read (the down projection:
+    one kernel fewer a layer; each program recomputes its K activations, which costs little for one row)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     if PDL:
@@ -57,10 +61,12 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.c
     for k in range(0, K, BLOCK_K):  # a long BLOCK_K puts many loads in flight: these loads are not pipelined
         ks = k + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+        if SILU_MUL:
+            x = silu_mul_values(x, tl.load(x_ptr + K + ks, mask=k_ok, other=0.0))
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        y += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        y += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
@@ -73,6 +79,11 @@ def launch_config(n: int, k: int) -> dict:
     return dict(block_n=16 if n <= 2048 else 32, block_k=block_k, num_stages=6 if block_k == 128 else 4, num_warps=4)
 
 
+def fuses_silu_and_mul(rows: int) -> bool:
+    """Whether gemv(silu_mul=True) serves a down projection of this many rows: the row kernel, when it is on."""
+    return rows == 1 and ROW_KERNEL
+
+
 def _l2_pieces(weight: torch.Tensor, block_n: int, num_warps: int) -> int:
     """Bulk prefetch requests per row of W: one per thread in all; 0 where the rows are not 16-byte aligned
     pieces."""
@@ -83,15 +94,17 @@ def _l2_pieces(weight: torch.Tensor, block_n: int, num_warps: int) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, l2_prefetch: bool = L2_PREFETCH,
-         row_kernel: bool = False, **launch) -> torch.Tensor:
+         row_kernel: bool | None = None, silu_mul: bool = False, **launch) -> torch.Tensor:
     """x: [M <= MAX_ROWS, K], weight: [N, K] (rows contiguous) -> [M, N]. launch: block_n, block_k,
-    num_stages, num_warps (default: launch_config). row_kernel (one row of x only): the CUDA-core kernel, which
-    scripts/gemv_sweep.py row times against the MMA one; not yet measured, so nothing calls it by default."""
-    M, K = x.shape
+    num_stages, num_warps (default: launch_config). row_kernel: one row of x goes to the CUDA-core kernel
+    (default: ROW_KERNEL, experimental, NANOVLLM_GEMV_ROW=1; scripts/gemv_sweep.py row times it). silu_mul (row
+    kernel only): x is [1, 2K] of stacked gate and up, and the product runs on silu(gate) * up."""
+    M, K = x.shape[0], weight.shape[1]
     N = weight.shape[0]
+    row_kernel = (ROW_KERNEL if row_kernel is None else row_kernel) and M == 1
     assert M <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
+    assert x.shape[1] == (2 * K if silu_mul else K) and (row_kernel or not silu_mul)
     if row_kernel:
-        assert M == 1
         launch = launch or dict(block_n=8, block_k=1024, num_stages=1, num_warps=4)
     else:
         launch = launch or launch_config(N, K)
@@ -100,8 +113,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if row_kernel:
         _gemv_row_kernel[(triton.cdiv(N, launch["block_n"]),)](
             x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
-            BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"], L2_PIECES=pieces, num_warps=launch["num_warps"],
-            num_stages=launch["num_stages"], **pdl_launch(x.device))
+            SILU_MUL=silu_mul, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"], L2_PIECES=pieces,
+            num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl_launch(x.device))
         return y
     _gemv_kernel[(triton.cdiv(N, launch["block_n"]),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.gemv import MAX_ROWS, gemv
+from nanovllm.kernels.gemv import MAX_ROWS, fuses_silu_and_mul, gemv
 
 
 class LinearMethod:
@@ -16,6 +16,10 @@ class LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def apply_silu_and_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """layer(silu(gate) * up) in one kernel where this method has one for this input; None: run them apart."""
+        return None
 
 
 class UnquantizedLinearMethod(LinearMethod):
@@ -65,6 +69,12 @@ class TritonGemvLinearMethod(UnquantizedLinearMethod):
             return F.linear(x, layer.weight, layer.bias)
         out = gemv(x.reshape(rows, x.shape[-1]), layer.weight, layer.bias)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def apply_silu_and_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
+        if not fuses_silu_and_mul(gate_up.numel() // gate_up.shape[-1]):
+            return None
+        out = gemv(gate_up.reshape(1, gate_up.shape[-1]), layer.weight, layer.bias, silu_mul=True)
+        return out.view(*gate_up.shape[:-1], out.shape[-1])
 
 
 class LinearBase(nn.Module):

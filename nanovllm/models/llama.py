@@ -46,7 +46,9 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        fused = self.down_proj.linear_method.apply_silu_and_mul(self.down_proj, gate_up)
+        return fused if fused is not None else self.down_proj(self.act(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
