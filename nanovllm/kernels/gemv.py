@@ -26,9 +26,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < N
-    if PDL:
-        if L2_PIECES > 0:  # W is read-only: start its rows toward L2 while the kernel before is still running
-            prefetch_rows_l2(w_ptr + tl.where(col_ok, cols, 0).to(tl.int64) * stride_wn, K, L2_PIECES)
+    # W is read-only: its rows may start toward L2 while the kernel before is still running
+    prefetch_rows_l2(w_ptr + tl.where(col_ok, cols, 0).to(tl.int64) * stride_wn, K, L2_PIECES, PDL)
     wait_then_release(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -53,9 +52,7 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.c
     one kernel fewer a layer; each program recomputes its K activations, which costs little for one row)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    if PDL:
-        if L2_PIECES > 0:
-            prefetch_rows_l2(w_ptr + tl.where(col_ok, cols, 0).to(tl.int64) * stride_wn, K, L2_PIECES)
+    prefetch_rows_l2(w_ptr + tl.where(col_ok, cols, 0).to(tl.int64) * stride_wn, K, L2_PIECES, PDL)
     wait_then_release(PDL)
     y = tl.zeros([BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):  # a long BLOCK_K puts many loads in flight: these loads are not pipelined
