@@ -22,7 +22,7 @@ from triton.runtime.jit import JITFunction
 assert os.environ.get("TRITON_INTERPRET") != "1", "compile_check compiles kernels: run it without TRITON_INTERPRET=1"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nanovllm.kernels.activation import silu_and_mul  # noqa: E402
-from nanovllm.kernels.gemv import gemv  # noqa: E402
+from nanovllm.kernels.gemv import gemv, gemv_add_rms_norm  # noqa: E402
 from nanovllm.kernels.kv_store import store_kv  # noqa: E402
 from nanovllm.kernels.paged_attention import paged_decode, paged_prefill  # noqa: E402
 from nanovllm.kernels.rms_norm import rms_norm  # noqa: E402
@@ -107,6 +107,9 @@ def launch_everything():
                              row_kernel=True)
                         gemv(torch.randn(1, 2 * k_dim, dtype=dtype), torch.empty(n, k_dim, dtype=dtype),
                              l2_prefetch=l2_prefetch, row_kernel=True, silu_mul=True)
+                        for residual in (None, torch.randn(1, k_dim, dtype=dtype)):
+                            gemv_add_rms_norm(torch.randn(1, k_dim, dtype=dtype), residual, torch.ones(k_dim, dtype=dtype),
+                                              1e-6, torch.empty(n, k_dim, dtype=dtype), l2_prefetch=l2_prefetch)
         gemv(torch.randn(3, 300, dtype=dtype), torch.randn(33, 300, dtype=dtype), torch.randn(33, dtype=dtype))
         for rows, splits in ((256, 1), (4, None), (1, 64)):  # this CPU counts as 4 SMs: pick the H100's splits
             logits, seeds = torch.empty(rows, 151936, dtype=dtype), torch.zeros(rows, dtype=torch.int64)

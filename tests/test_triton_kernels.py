@@ -175,6 +175,54 @@ def test_row_gemv_with_silu_and_mul_matches_twin(n, k, dtype):
     torch.testing.assert_close(gemv(gate_up, w, row_kernel=True, silu_mul=True, **tails).float(), want, **_tol(dtype))
 
 
+@pytest.mark.parametrize("n,k", [(40, 96), (64, 1024)] + ([] if DEVICE == "cpu" else [(4096, 1024), (6144, 1024)]))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_row_gemv_with_add_rms_norm_matches_twin(n, k, dtype, with_residual):
+    """The one-row projection after a norm: F.linear after the torch RMSNorm (with the residual add), and the
+    same next residual."""
+    from nanovllm.kernels.gemv import gemv_add_rms_norm
+    from nanovllm.layers.layernorm import RMSNorm
+
+    g = torch.Generator().manual_seed(8)
+    x, residual, w = (torch.randn(*shape, generator=g).to(dtype).to(DEVICE) for shape in ((1, k), (1, k), (n, k)))
+    norm = RMSNorm(k, 1e-6).to(DEVICE)
+    norm.weight.data = (1 + torch.randn(k, generator=g) * 0.1).to(dtype).to(DEVICE)
+    if with_residual:
+        normed, want_residual = norm.forward_native(x, residual)
+    else:
+        normed, want_residual, residual = norm.forward_native(x), x, None
+    want = gemv_reference(normed.float(), w.float())
+    for tiles in ({}, dict(block_n=4, block_k=64, num_stages=1, num_warps=4)):
+        got, got_residual = gemv_add_rms_norm(x, residual, norm.weight, norm.eps, w, **tiles)
+        torch.testing.assert_close(got.float(), want, **_tol(dtype))
+        assert torch.equal(got_residual, want_residual)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_then_project_with_row_kernel_matches_unfused(with_residual, monkeypatch):
+    """The decoder layer's norm + projection pair: one fused kernel for a row with the row kernel on, the norm's
+    kernel then the projection's without it; same outputs and next residual."""
+    import nanovllm.kernels.gemv as gemv_module
+    from nanovllm.layers.layernorm import RMSNorm
+    from nanovllm.layers.linear import QKVLinear, TritonGemvLinearMethod
+    from nanovllm.models.llama import _norm_then_project
+
+    torch.manual_seed(9)
+    norm, proj = RMSNorm(64, 1e-6).to(DEVICE), QKVLinear(64, 16, 2, 1, linear_method=TritonGemvLinearMethod()).to(DEVICE)
+    torch.nn.init.normal_(proj.weight, std=0.2)
+    norm.weight.data += 0.1 * torch.randn(64, device=DEVICE)
+    norm.use_triton = True
+    x = torch.randn(1, 64, device=DEVICE)
+    residual = torch.randn(1, 64, device=DEVICE) if with_residual else None
+    want = _norm_then_project(norm, proj, x, None if residual is None else residual.clone())
+    assert proj.linear_method.apply_add_rms_norm(proj, x, residual, norm) is None  # the row kernel is off
+    monkeypatch.setattr(gemv_module, "ROW_KERNEL", True)
+    got = _norm_then_project(norm, proj, x, residual)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("rows", [1, 2])
 def test_mlp_on_gemv_method_with_row_kernel_matches_native(rows, monkeypatch):
     """With the row kernel on, one row takes the fused SiLU-and-mul down projection, two rows the unfused path."""

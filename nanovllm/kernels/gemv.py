@@ -13,6 +13,7 @@ import triton.language as tl
 from nanovllm.kernels.activation import silu_mul as silu_mul_values
 from nanovllm.kernels.l2_prefetch import prefetch_rows_l2
 from nanovllm.kernels.pdl import pdl_launch, wait_then_release
+from nanovllm.kernels.rounding import round_to
 
 MAX_ROWS = 16
 L2_PREFETCH = os.environ.get("NANOVLLM_GEMV_L2_PREFETCH", "0") == "1"
@@ -44,23 +45,53 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
 
 
 @triton.jit
-def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
+def _row_input(x_ptr, res_ptr, norm_w_ptr, ks, k_ok, K, inv_rms, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr,
+               HAS_RESIDUAL: tl.constexpr):
+    """A chunk of the row kernel's x, with the operation fused in front of the product applied as the twin
+    layers round it: SiLU-and-mul of the stacked [gate | up] projection, or RMSNorm after the residual add."""
+    x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+    if SILU_MUL:
+        x = silu_mul_values(x, tl.load(x_ptr + K + ks, mask=k_ok, other=0.0))
+    if ADD_NORM:
+        if HAS_RESIDUAL:
+            x = (x.to(tl.float32) + tl.load(res_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
+        w_norm = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        x = (round_to(x.to(tl.float32) * inv_rms, x.dtype) * w_norm).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_ptr, N, K, stride_wn, eps,
+                     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, ADD_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, L2_PIECES: tl.constexpr, PDL: tl.constexpr):
     """One row of x, multiplied and summed on the CUDA cores instead of padded to an MMA tile, so that a program
-    may own as few as one output column: N = 1024 outputs make 128-1024 programs instead of 64. With SILU_MUL,
-    x is the stacked [gate | up] projection (2K long) and x = silu(gate) * up as it is read (the down projection:
-    one kernel fewer a layer; each program recomputes its K activations, which costs little for one row)."""
+    may own as few as one output column: N = 1024 outputs make 128-1024 programs instead of 64. One kernel fewer
+    a layer each, every program redoing the cheap part for its own one-row x:
+    SILU_MUL: x is the stacked [gate | up] projection (2K long), used as silu(gate) * up (the down projection);
+    ADD_NORM: x is RMSNorm(x + residual) with weight norm_w (the projections after a norm); program 0 writes the
+    sum, the next residual, to res_out."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     prefetch_rows_l2(w_ptr + tl.where(col_ok, cols, 0).to(tl.int64) * stride_wn, K, L2_PIECES, PDL)
     wait_then_release(PDL)
+    inv_rms = 1.0
+    if ADD_NORM:
+        squares = tl.zeros([BLOCK_K], tl.float32)
+        for k in range(0, K, BLOCK_K):
+            ks = k + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
+            if HAS_RESIDUAL:
+                x = (x.to(tl.float32) + tl.load(res_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)).to(x.dtype)
+                if tl.program_id(0) == 0:
+                    tl.store(res_out_ptr + ks, x, mask=k_ok)
+            squares += x.to(tl.float32) * x.to(tl.float32)
+        inv_rms = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
     y = tl.zeros([BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):  # a long BLOCK_K puts many loads in flight: these loads are not pipelined
         ks = k + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x = tl.load(x_ptr + ks, mask=k_ok, other=0.0)
-        if SILU_MUL:
-            x = silu_mul_values(x, tl.load(x_ptr + K + ks, mask=k_ok, other=0.0))
+        x = _row_input(x_ptr, res_ptr, norm_w_ptr, ks, k_ok, K, inv_rms, SILU_MUL, ADD_NORM, HAS_RESIDUAL)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)
         y += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
@@ -76,8 +107,9 @@ def launch_config(n: int, k: int) -> dict:
     return dict(block_n=16 if n <= 2048 else 32, block_k=block_k, num_stages=6 if block_k == 128 else 4, num_warps=4)
 
 
-def fuses_silu_and_mul(rows: int) -> bool:
-    """Whether gemv(silu_mul=True) serves a down projection of this many rows: the row kernel, when it is on."""
+def row_kernel_fuses(rows: int) -> bool:
+    """Whether the row kernel, which fuses SiLU-and-mul or add+RMSNorm into the product, serves this many rows:
+    one, when it is on."""
     return rows == 1 and ROW_KERNEL
 
 
@@ -97,27 +129,46 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     (default: ROW_KERNEL, experimental, NANOVLLM_GEMV_ROW=1; scripts/gemv_sweep.py row times it). silu_mul (row
     kernel only): x is [1, 2K] of stacked gate and up, and the product runs on silu(gate) * up."""
     M, K = x.shape[0], weight.shape[1]
-    N = weight.shape[0]
     row_kernel = (ROW_KERNEL if row_kernel is None else row_kernel) and M == 1
     assert M <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
     assert x.shape[1] == (2 * K if silu_mul else K) and (row_kernel or not silu_mul)
     if row_kernel:
-        launch = launch or dict(block_n=8, block_k=1024, num_stages=1, num_warps=4)
-    else:
-        launch = launch or launch_config(N, K)
-    pieces = _l2_pieces(weight, launch["block_n"], launch["num_warps"]) if l2_prefetch else 0
+        return _row_gemv(x, weight, bias, l2_prefetch, silu_mul=silu_mul, **launch)
+    N = weight.shape[0]
+    launch = launch or launch_config(N, K)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if row_kernel:
-        _gemv_row_kernel[(triton.cdiv(N, launch["block_n"]),)](
-            x, weight, bias if bias is not None else weight, y, N, K, weight.stride(0), HAS_BIAS=bias is not None,
-            SILU_MUL=silu_mul, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"], L2_PIECES=pieces,
-            num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl_launch(x.device))
-        return y
     _gemv_kernel[(triton.cdiv(N, launch["block_n"]),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", L2_PIECES=pieces, num_warps=launch["num_warps"],
-        num_stages=launch["num_stages"], **pdl_launch(x.device))
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        L2_PIECES=_l2_pieces(weight, launch["block_n"], launch["num_warps"]) if l2_prefetch else 0,
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl_launch(x.device))
+    return y
+
+
+def gemv_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      weight: torch.Tensor, bias: torch.Tensor | None = None, l2_prefetch: bool = L2_PREFETCH,
+                      **launch) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row: (RMSNorm(x + residual) W^T (+ b), x + residual) in the row kernel; without a residual, the norm
+    of x and x itself. Twin: layers.layernorm.RMSNorm, then F.linear."""
+    assert x.shape[0] == 1 and x.stride(1) == 1 and (residual is None or residual.is_contiguous())
+    res_out = torch.empty_like(x) if residual is not None else x
+    y = _row_gemv(x, weight, bias, l2_prefetch, norm=(residual, norm_weight, eps, res_out), **launch)
+    return y, res_out
+
+
+def _row_gemv(x, weight, bias, l2_prefetch, silu_mul=False, norm=None, **launch):
+    N, K = weight.shape
+    launch = launch or dict(block_n=8, block_k=1024, num_stages=1, num_warps=4)
+    residual, norm_weight, eps, res_out = norm if norm is not None else (None, None, 0.0, None)
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    _gemv_row_kernel[(triton.cdiv(N, launch["block_n"]),)](
+        x, weight, bias if bias is not None else weight, y, residual if residual is not None else x,
+        norm_weight if norm is not None else weight, res_out if res_out is not None else y, N, K, weight.stride(0), eps,
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, ADD_NORM=norm is not None, HAS_RESIDUAL=residual is not None,
+        BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
+        L2_PIECES=_l2_pieces(weight, launch["block_n"], launch["num_warps"]) if l2_prefetch else 0,
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl_launch(x.device))
     return y
 
 

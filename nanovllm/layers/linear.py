@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.gemv import MAX_ROWS, fuses_silu_and_mul, gemv
+from nanovllm.kernels.gemv import MAX_ROWS, gemv, gemv_add_rms_norm, row_kernel_fuses
 
 
 class LinearMethod:
@@ -19,6 +19,12 @@ class LinearMethod:
 
     def apply_silu_and_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
         """layer(silu(gate) * up) in one kernel where this method has one for this input; None: run them apart."""
+        return None
+
+    def apply_add_rms_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(layer(norm(x + residual)), x + residual) in one kernel where this method has one; None: run them
+        apart."""
         return None
 
 
@@ -71,10 +77,19 @@ class TritonGemvLinearMethod(UnquantizedLinearMethod):
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def apply_silu_and_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
-        if not fuses_silu_and_mul(gate_up.numel() // gate_up.shape[-1]):
+        if not row_kernel_fuses(gate_up.numel() // gate_up.shape[-1]):
             return None
         out = gemv(gate_up.reshape(1, gate_up.shape[-1]), layer.weight, layer.bias, silu_mul=True)
         return out.view(*gate_up.shape[:-1], out.shape[-1])
+
+    def apply_add_rms_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
+                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not row_kernel_fuses(x.numel() // x.shape[-1]):
+            return None
+        flat = x.reshape(1, x.shape[-1])
+        out, residual = gemv_add_rms_norm(flat, None if residual is None else residual.reshape(1, x.shape[-1]),
+                                          norm.weight, norm.eps, layer.weight, layer.bias)
+        return out.view(*x.shape[:-1], out.shape[-1]), residual.view(x.shape)
 
 
 class LinearBase(nn.Module):

@@ -26,8 +26,9 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """qkv: qkv_proj's output (the decoder layer runs it with the norm before it)."""
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -46,7 +47,10 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down_proj(silu(gate) * up), in one kernel where down_proj's method has one."""
         fused = self.down_proj.linear_method.apply_silu_and_mul(self.down_proj, gate_up)
         return fused if fused is not None else self.down_proj(self.act(gate_up))
 
@@ -60,13 +64,23 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, hidden, residual, meta):
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        qkv, residual = _norm_then_project(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
+        hidden = self.self_attn(positions, qkv, meta)
+        gate_up, residual = _norm_then_project(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
+        return self.mlp.down(gate_up), residual
+
+
+def _norm_then_project(norm: RMSNorm, proj, x: torch.Tensor, residual: torch.Tensor | None):
+    """(proj(norm(x + residual)), x + residual); without a residual (the first layer), x is the residual. One
+    kernel where proj's linear method has one, else the norm's kernel, then proj's."""
+    fused = proj.linear_method.apply_add_rms_norm(proj, x, residual, norm)
+    if fused is not None:
+        return fused
+    if residual is None:
+        residual, x = x, norm(x)
+    else:
+        x, residual = norm(x, residual)
+    return proj(x), residual
 
 
 class LlamaModel(nn.Module):
