@@ -123,6 +123,8 @@ def launch_everything():
     q = torch.randn(8, 16, 128, **bf16)
     for splits in (1, 4, 16):
         paged_decode(q, k_cache, v_cache, tables, lens, 0.088, splits)
+        paged_decode(q, k_cache, v_cache, tables, lens, 0.088, splits,
+                     new_kv=(kv[:, 2048:3072].view(8, 8, 128), kv[:, 3072:].view(8, 8, 128), torch.arange(8)))
     starts = torch.arange(0, 9 * 8, 8, dtype=torch.int32)
     for max_query_len in (8, 64):
         paged_prefill(torch.randn(64, 16, 128, **bf16), k_cache, v_cache, tables, lens, starts, max_query_len, 0.088)

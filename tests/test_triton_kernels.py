@@ -68,6 +68,68 @@ def test_paged_decode_matches_reference(case, dtype, num_splits):
     torch.testing.assert_close(out.float(), want, **_tol(dtype))
 
 
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 4, 16])
+def test_paged_decode_storing_the_new_token_matches_store_then_decode(case, dtype, num_splits):
+    """The decode kernel that takes this step's key and value from its inputs (their slot still NaN) and writes
+    them to the cache: the output of storing first (up to the order the new token is folded in), the same cache."""
+    seq_lens, page, heads, kv_heads, head_dim = case
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache, tables = _paged_cache(seq_lens, page, kv_heads, head_dim, dtype, g)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    want = decode_reference(q.float(), k_cache.float(), v_cache.float(),
+                            *context_slots(tables, lens, max(seq_lens), page), head_dim ** -0.5)
+    last = lens.long() - 1
+    slots = tables[torch.arange(len(seq_lens), device=DEVICE), last // page].long() * page + last % page
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    qkv = torch.cat([flat_k[slots], flat_v[slots], flat_k[slots]], dim=1)  # strided rows, as views of a fused qkv
+    k_new, v_new = qkv[:, :kv_heads], qkv[:, kv_heads:2 * kv_heads]
+    cache_before = (k_cache.clone(), v_cache.clone())
+    flat_k[slots], flat_v[slots] = float("nan"), float("nan")
+    got = paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, num_splits, new_kv=(k_new, v_new, slots))
+    torch.testing.assert_close(got.float(), want, **_tol(dtype))
+    assert torch.equal(k_cache.nan_to_num(7.0), cache_before[0].nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), cache_before[1].nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_triton_backend_matches_torch_backend(step):
+    """The backends behind one interface: same outputs and the same cache after a decode step (whose kernel
+    stores the new keys and values itself) and after a prefill step over a cached prefix (store, then attend)."""
+    from nanovllm.attention.metadata import AttentionMetadata
+    from nanovllm.attention.torch_backend import TorchAttentionBackend
+    from nanovllm.attention.triton_backend import TritonAttentionBackend
+
+    g = torch.Generator().manual_seed(3)
+    page, heads, kv_heads, head_dim = 16, 4, 2, 64
+    seq_lens = [1, 17, 40]  # context after this step
+    new = [1, 1, 1] if step == "decode" else [1, 9, 23]
+    k_cache, v_cache, tables = _paged_cache(seq_lens, page, kv_heads, head_dim, torch.float32, g)
+    slots = torch.cat([tables[i, torch.arange(n - m, n, device=DEVICE) // page].long() * page
+                       + torch.arange(n - m, n, device=DEVICE) % page for i, (n, m) in enumerate(zip(seq_lens, new))])
+    k_cache.view(-1, kv_heads, head_dim)[slots] = float("nan")  # the step's tokens are not in the cache yet
+    v_cache.view(-1, kv_heads, head_dim)[slots] = float("nan")
+    T = sum(new)
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE)
+    q = qkv[:, :heads * head_dim].view(T, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(T, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(T, kv_heads, head_dim)
+    starts = [0, *torch.tensor(new).cumsum(0).tolist()]
+    meta = AttentionMetadata(
+        slot_mapping=slots, query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), block_tables=tables,
+        num_decodes=sum(1 for m in new if m == 1) if step == "decode" else 1, max_query_len=max(new),
+        max_seq_len=max(seq_lens), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+    caches = (k_cache.clone(), v_cache.clone())
+    want = TorchAttentionBackend().forward(q, k, v, caches[0], caches[1], meta, head_dim ** -0.5)
+    got = TritonAttentionBackend(2048).forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
+    torch.testing.assert_close(got, want, **_tol(torch.float32))
+    assert torch.equal(k_cache.nan_to_num(7.0), caches[0].nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), caches[1].nan_to_num(7.0))
+
+
 @pytest.mark.parametrize("max_batch", [1, 5, 100, 256, 512])
 def test_decode_splits_agree_between_a_batch_and_its_graph_bucket(max_batch):
     """An eager step and the CUDA graph that would serve the same batch must split contexts alike."""

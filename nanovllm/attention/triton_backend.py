@@ -1,4 +1,5 @@
-"""The GPU default: Triton paged attention (store, split-K decode, varlen prefill over a cached prefix)."""
+"""The GPU default: Triton paged attention (split-K decode that also stores the step's K/V; KV store, then
+varlen prefill over a cached prefix)."""
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.torch_backend import TorchAttentionBackend
@@ -18,10 +19,11 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if k_cache is None:
             return self._reference.forward(q, k, v, None, None, meta, scale)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        if meta.num_decodes == meta.num_seqs:
+        if meta.num_decodes == meta.num_seqs:  # the decode kernel stores the step's keys and values itself
             splits = decode_num_splits(meta.num_seqs, k_cache.shape[2], self.max_model_len, num_sms(q.device))
-            return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits)
+            return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
+                                new_kv=(k, v, meta.slot_mapping))
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                              meta.max_query_len, scale)
 

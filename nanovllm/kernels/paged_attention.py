@@ -41,11 +41,15 @@ def _online_softmax_step(q, k, v, allowed, m, denom, acc, scale, PRECISION: tl.c
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                         acc_ptr, m_ptr, denom_ptr, out_ptr, scale,
+                         acc_ptr, m_ptr, denom_ptr, out_ptr, k_new_ptr, v_new_ptr, slot_ptr, scale,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+                         stride_knt, stride_vnt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         STORE_NEW: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """With STORE_NEW, the step's own key and value (k_new, v_new: [B, kv_heads, D] rows) are not in the cache yet:
+    the tiles stop before the last position, and the program whose split holds it folds it in from k_new / v_new
+    and writes them to the cache at the sequence's slot, which spares a store kernel (no other program reads
+    that slot). The tile loop stays as without it, so large batches pay nothing for the fusion."""
     wait_then_release(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -64,10 +68,27 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     d_ok = d[None, :] < HEAD_DIM
-    for n in range(start, end, BLOCK_N):
-        offs, valid, k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, n, end, kv_head, d, d_ok,
-                                          stride_bt, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N)
+    last = seq_len - 1
+    cached_end = tl.minimum(end, last) if STORE_NEW else end  # the new token's slot is not written yet
+    for n in range(start, cached_end, BLOCK_N):
+        offs, valid, k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, n, cached_end, kv_head, d,
+                                          d_ok, stride_bt, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N)
         m, denom, acc = _online_softmax_step(q, k, v, valid[None, :], m, denom, acc, scale, PRECISION)
+    if STORE_NEW:
+        if (start <= last) & (last < end):  # this split holds the new token: fold it in from the inputs, store it
+            k_new = tl.load(k_new_ptr + seq * stride_knt + kv_head * HEAD_DIM + d, mask=d < HEAD_DIM, other=0.0)
+            v_new = tl.load(v_new_ptr + seq * stride_vnt + kv_head * HEAD_DIM + d, mask=d < HEAD_DIM, other=0.0)
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+            m_new = tl.maximum(m, s_new)
+            p_new = tl.exp(s_new - m_new)
+            alpha = tl.exp(m - m_new)
+            denom = denom * alpha + p_new
+            acc = acc * alpha[:, None] + p_new.to(v_new.dtype).to(tl.float32)[:, None] * v_new.to(tl.float32)[None, :]
+            m = m_new
+            slot = tl.load(slot_ptr + seq).to(tl.int64)
+            at = (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs + kv_head * stride_ch + d
+            tl.store(k_cache_ptr + at, k_new, mask=d < HEAD_DIM)
+            tl.store(v_cache_ptr + at, v_new, mask=d < HEAD_DIM)
     row_ok = g < GROUP
     if NUM_SPLITS == 1:  # the whole context in one program: normalize here, no merge kernel
         out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
@@ -116,8 +137,10 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_model_len: int, num_
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out=None,
-                 block_n=None, num_warps=4, num_stages=None):
+                 block_n=None, num_warps=4, num_stages=None, new_kv=None):
     """q: [B, H, D] -> [B, H, D]. num_splits is fixed by the caller (a CUDA graph bakes the grid in).
+    new_kv: (k, v, slot_mapping) of this step's tokens, [B, kv_heads, D] each (strided rows of a fused qkv are
+    fine), when they are not in the cache yet: the kernel attends to them and stores them (no store_kv).
     One split (large batches) reads 128-key tiles 3 stages deep: 2% faster than 64-key tiles at 256 sequences
     on the H100 (scripts/attention_sweep.py 256 2048 configs 1), where this kernel is most of the step."""
     if block_n is None:
@@ -128,12 +151,15 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
     out = torch.empty_like(q) if out is None else out
     # one split normalizes and writes `out` itself: no partials, so the workspace pointers go unused
     acc, m, denom = decode_workspace(B, H, D, num_splits, q.device) if num_splits > 1 else (out, out, out)
+    k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)
+    assert new_kv is None or (k_new.stride(2) == 1 and k_new.stride(1) == D and v_new.stride(1) == D)
     _decode_split_kernel[(B, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, acc, m, denom, out, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, acc, m, denom, out, k_new, v_new, slots, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_new.stride(0), v_new.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, D_PAD=triton.next_power_of_2(D),
-        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, PRECISION=_precision(q), num_warps=num_warps,
+        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, STORE_NEW=new_kv is not None, PRECISION=_precision(q),
+        num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(q.device))
     if num_splits > 1:
         _decode_merge_kernel[(B, H)](acc, m, denom, out, out.stride(0), out.stride(1), H,
