@@ -70,7 +70,7 @@ def test_paged_decode_matches_reference(case, dtype, num_splits):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [1, 4, 16])
+@pytest.mark.parametrize("num_splits", [1, 4])  # one split writes the output itself; several merge partials
 def test_paged_decode_storing_the_new_token_matches_store_then_decode(case, dtype, num_splits):
     """The decode kernel that takes this step's key and value from its inputs (their slot still NaN) and writes
     them to the cache: the output of storing first (up to the order the new token is folded in), the same cache."""
