@@ -26,4 +26,3 @@ class TritonAttentionBackend(AttentionBackend):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                              meta.max_query_len, scale)
-

@@ -9,8 +9,8 @@ from nanovllm.config import Config
 from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.cuda_graph import CUDAGraphRunner
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels import gemv as gemv_kernels
 from nanovllm.kernels import pdl
-from nanovllm.kernels.gemv import MAX_ROWS
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import LMHead
@@ -142,7 +142,13 @@ class ModelRunner:
             log_once("CPU linears: oneDNN packed fp32 weights")
             method = CpuPackedLinearMethod
         elif self.device.type == "cuda" and self.dtype != torch.float32 and self.backend.name == "triton":
-            log_once(f"CUDA linears: Triton GEMV up to {MAX_ROWS} rows, cuBLAS above")
+            log_once(f"CUDA linears: Triton GEMV up to {gemv_kernels.MAX_ROWS} rows, cuBLAS above")
+            for on, what in ((gemv_kernels.ROW_KERNEL, "NANOVLLM_GEMV_ROW=1: one-row linears run the experimental "
+                              "CUDA-core GEMV with the norm or activation before it fused in"),
+                             (gemv_kernels.L2_PREFETCH, "NANOVLLM_GEMV_L2_PREFETCH=1: GEMVs prefetch their weight "
+                              "rows into L2 before the PDL wait (experimental)")):
+                if on:
+                    log_once(what)
             method = TritonGemvLinearMethod
         else:
             if self.device.type == "cuda":

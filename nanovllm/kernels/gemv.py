@@ -14,6 +14,7 @@ from nanovllm.kernels.activation import silu_mul as silu_mul_values
 from nanovllm.kernels.l2_prefetch import prefetch_rows_l2
 from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 from nanovllm.kernels.rounding import round_to
+from nanovllm.logger import log_once
 
 MAX_ROWS = 16
 L2_PREFETCH = os.environ.get("NANOVLLM_GEMV_L2_PREFETCH", "0") == "1"
@@ -119,7 +120,11 @@ def _l2_pieces(weight: torch.Tensor, block_n: int, num_warps: int) -> int:
     pieces = max(1, 32 * num_warps // block_n)
     row_bytes = weight.shape[1] * weight.element_size()
     aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
-    return pieces if aligned and row_bytes % (16 * pieces) == 0 else 0
+    if aligned and row_bytes % (16 * pieces) == 0:
+        return pieces
+    log_once(f"GEMV L2 prefetch: a weight of {row_bytes}-byte rows does not split into 16-byte aligned pieces; "
+             "its GEMVs run without the prefetch")
+    return 0
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, l2_prefetch: bool = L2_PREFETCH,

@@ -15,7 +15,7 @@ def _uint32_bits(x: torch.Tensor) -> torch.Tensor:
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer hash, in place on int32 tensors read as uint32: products wrap mod 2**32 as uint32's
     would, and each shift masks off the sign bits that an int32 shift brings in. Half the memory traffic of
-    int64, which makes it twice as fast on CPU; the bits equal the Triton kernel's int64 arithmetic."""
+    int64, which makes it twice as fast on CPU; the bits equal the Triton kernel's uint32 arithmetic."""
     x ^= (x >> 16) & 0xFFFF
     x.mul_(0x7FEB352D)
     x ^= (x >> 15) & 0x1FFFF
