@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nanovllm.kernels.activation import silu_and_mul  # noqa: E402
 from nanovllm.kernels.gemv import gemv, gemv_add_rms_norm  # noqa: E402
 from nanovllm.kernels.kv_store import store_kv  # noqa: E402
-from nanovllm.kernels.paged_attention import paged_decode, paged_prefill  # noqa: E402
+from nanovllm.kernels.paged_attention import paged_decode, paged_prefill, prefill_tile_tokens, prefill_tiles  # noqa: E402
 from nanovllm.kernels.rms_norm import rms_norm  # noqa: E402
 from nanovllm.kernels.rotary import rotary_  # noqa: E402
 from nanovllm.kernels.sampling import gumbel_argmax  # noqa: E402
@@ -126,8 +126,11 @@ def launch_everything():
         paged_decode(q, k_cache, v_cache, tables, lens, 0.088, splits,
                      new_kv=(kv[:, 2048:3072].view(8, 8, 128), kv[:, 3072:].view(8, 8, 128), torch.arange(8)))
     starts = torch.arange(0, 9 * 8, 8, dtype=torch.int32)
-    for max_query_len in (8, 64):
-        paged_prefill(torch.randn(64, 16, 128, **bf16), k_cache, v_cache, tables, lens, starts, max_query_len, 0.088)
+    for max_query_len in (8, 64):  # Qwen3-0.6B's group of 2 query heads a KV head
+        tile_tokens = prefill_tile_tokens(max_query_len, 2)
+        tiles = torch.from_numpy(prefill_tiles([8] * 8, tile_tokens))
+        paged_prefill(torch.randn(64, 16, 128, **bf16), k_cache, v_cache, tables, lens, starts, tiles, tile_tokens,
+                      0.088)
 
 
 def main() -> int:

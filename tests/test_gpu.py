@@ -87,8 +87,17 @@ def test_cuda_graphs_match_eager(small_model):
     for eager in (False, True):
         llm = LLM(small_model, device="cuda", dtype=torch.bfloat16, max_model_len=1024, gpu_memory_utilization=0.3,
                   enforce_eager=eager)
-        assert (llm.llm_engine.model_runner.graphs is None) == eager
+        runner = llm.llm_engine.model_runner
+        assert (runner.graphs is None) == eager and (runner.prefill_graphs is None) == eager
+        replays = []
+        if not eager:  # the prompts (5-300 tokens) must go through the prefill graphs, not around them
+            run = runner.prefill_graphs.run
+            runner.prefill_graphs.run = lambda *a: replays.append(1) or run(*a)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert eager or replays
+        if not eager:
+            del runner.prefill_graphs.run, run  # both hold the model, and through it the KV cache
+        del runner
         seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=32, ignore_eos=True)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)])
         assert_no_leaks(llm)

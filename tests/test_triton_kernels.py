@@ -1,15 +1,16 @@
 """Triton kernels against their torch references: on CPU under TRITON_INTERPRET=1 at tiny sizes (set by
 conftest), on the GPU (marked gpu) over more and larger random shapes."""
+import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.attention.torch_backend import context_slots, decode_reference, prefill_reference, store_kv_reference
-from nanovllm.engine.cuda_graph import graph_batch_sizes
+from nanovllm.engine.cuda_graph import graph_batch_sizes, max_prefill_tiles, prefill_graph_sizes
 from nanovllm.kernels.gemv import gemv, gemv_reference
 from nanovllm.kernels.kv_store import store_kv
-from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode, paged_prefill
+from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode, paged_prefill, prefill_tile_tokens, prefill_tiles
 from nanovllm.kernels.rounding import round_to
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -121,13 +122,32 @@ def test_triton_backend_matches_torch_backend(step):
         slot_mapping=slots, query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), block_tables=tables,
         num_decodes=sum(1 for m in new if m == 1) if step == "decode" else 1, max_query_len=max(new),
-        max_seq_len=max(seq_lens), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+        max_seq_len=max(seq_lens), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
+        prefill_tiles=torch.from_numpy(prefill_tiles(new, 8)).to(DEVICE), prefill_tile_tokens=8)
     caches = (k_cache.clone(), v_cache.clone())
     want = TorchAttentionBackend().forward(q, k, v, caches[0], caches[1], meta, head_dim ** -0.5)
     got = TritonAttentionBackend(2048).forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
     torch.testing.assert_close(got, want, **_tol(torch.float32))
     assert torch.equal(k_cache.nan_to_num(7.0), caches[0].nan_to_num(7.0))
     assert torch.equal(v_cache.nan_to_num(7.0), caches[1].nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("max_tokens", [256, 1000, 8192, 16384])
+def test_prefill_graph_buckets_hold_every_batch(max_tokens):
+    """Any step of up to max_tokens tokens finds a token bucket, and its tile list fits the room that bucket's
+    graph captured."""
+    sizes = prefill_graph_sizes(max_tokens)
+    assert sizes[-1] == max_tokens and sizes == sorted(set(sizes))
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        num_seqs = int(rng.integers(1, 257))
+        lens = rng.integers(1, max(2, 2 * max_tokens // num_seqs), num_seqs)
+        lens = lens[np.cumsum(lens) <= max_tokens]
+        if len(lens) == 0:
+            continue
+        bucket = next(t for t in sizes if t >= lens.sum())
+        for tile_tokens in (1, 8, 64):
+            assert prefill_tiles(lens, tile_tokens).shape[1] <= max_prefill_tiles(bucket, 256, tile_tokens)
 
 
 @pytest.mark.parametrize("max_batch", [1, 5, 100, 256, 512])
@@ -153,8 +173,12 @@ def test_paged_prefill_with_cached_prefix_matches_reference(case, dtype):
         starts.append(starts[-1] + n)
     q = torch.randn(starts[-1], heads, head_dim, generator=g).to(dtype).to(DEVICE)
     out = torch.full_like(q, float("nan"))
+    tile_tokens = prefill_tile_tokens(max(q_lens), heads // kv_heads)
+    tiles = np.full((2, prefill_tiles(q_lens, tile_tokens).shape[1] + 5), -1, dtype=np.int32)  # spare entries, as a graph's
+    tiles[:, :-5] = prefill_tiles(q_lens, tile_tokens)
     paged_prefill(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-                  torch.tensor(starts, dtype=torch.int32, device=DEVICE), max(q_lens), head_dim ** -0.5, out=out)
+                  torch.tensor(starts, dtype=torch.int32, device=DEVICE), torch.from_numpy(tiles).to(DEVICE), tile_tokens,
+                  head_dim ** -0.5, out=out)
     for i, n in enumerate(seq_lens):
         s, e = starts[i], starts[i + 1]
         want = prefill_reference(q[s:e].float(), None, None, k_cache.float(), v_cache.float(), tables[i], n,

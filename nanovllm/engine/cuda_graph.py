@@ -1,10 +1,13 @@
-"""Decode steps captured as CUDA graphs, one per batch-size bucket, sharing one memory pool.
+"""Steps captured as CUDA graphs, sharing one memory pool: decode steps per batch-size bucket (their logits
+included), and steps with prefills per token-count bucket (up to the hidden states; the rows to sample vary).
 
-A replay copies the step's inputs into static buffers; rows past the real batch are padding that attend
-to one token in a scratch KV block, so they stay finite and touch no sequence's cache."""
+A replay copies the step's inputs into static buffers. Decode rows past the real batch are padding that attend
+to one token in a scratch KV block, so they stay finite and touch no sequence's cache; prefill tokens past the
+real ones store their K/V in that scratch block and belong to no attention tile."""
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.kernels.paged_attention import prefill_tile_tokens
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -12,43 +15,87 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sorted({b for b in (1, 2, 4, 8, *range(16, max_batch + 1, 16)) if b <= max_batch} | {max_batch})
 
 
-class CUDAGraphRunner:
-    def __init__(self, model, max_batch: int, max_blocks_per_seq: int, max_model_len: int, block_size: int,
-                 scratch_block: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
-        self.model = model
-        self.max_model_len = max_model_len
-        self.scratch_slot = scratch_block * block_size
-        self.scratch_block = scratch_block
-        self.batch_sizes = graph_batch_sizes(max_batch)
+def prefill_graph_sizes(max_tokens: int, smallest: int = 256) -> list[int]:
+    """The captured token-count buckets: powers of two from `smallest` to 2048, then every multiple of 2048,
+    then max_tokens."""
+    sizes = {smallest << i for i in range(8) if smallest << i <= min(2048, max_tokens)}
+    return sorted(sizes | set(range(2048, max_tokens + 1, 2048)) | {max_tokens})
+
+
+def max_prefill_tiles(tokens: int, max_seqs: int, tile_tokens: int) -> int:
+    """Tiles of any batch of `tokens` tokens in at most max_seqs sequences: one partial tile per sequence at most
+    beyond the full ones."""
+    return -(-tokens // tile_tokens) + min(max_seqs, tokens)
+
+
+def _capture(graphs: dict, sizes: list[int], step, pool):
+    """Capture step(size) for each size, largest first (the smaller ones reuse its memory); return the pool."""
+    for size in reversed(sizes):
+        step(size)  # warm-up: compiles kernels, sizes workspaces
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            step(size)
+        pool = graph.pool()
+        graphs[size] = graph
+    torch.cuda.synchronize()
+    return pool
+
+
+class _StepBuffers:
+    """The static inputs a captured step reads: per token and per sequence."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, scratch_block: int, block_size: int,
+                 device: torch.device):
         i64 = dict(dtype=torch.int64, device=device)
         i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(max_batch, **i64)
-        self.positions = torch.zeros(max_batch, **i64)
-        self.slot_mapping = torch.full((max_batch,), self.scratch_slot, **i64)
-        self.seq_lens = torch.ones(max_batch, **i32)
-        self.block_tables = torch.full((max_batch, max_blocks_per_seq), scratch_block, **i32)
-        self.query_start_loc = torch.arange(max_batch + 1, **i32)
-        self.hidden = torch.empty(max_batch, hidden_size, dtype=dtype, device=device)
+        self.scratch_slot = scratch_block * block_size
+        self.scratch_block = scratch_block
+        self.input_ids = torch.zeros(max_tokens, **i64)
+        self.positions = torch.zeros(max_tokens, **i64)
+        self.slot_mapping = torch.full((max_tokens,), self.scratch_slot, **i64)
+        self.seq_lens = torch.ones(max_seqs, **i32)
+        self.block_tables = torch.full((max_seqs, max_blocks_per_seq), scratch_block, **i32)
+        self.query_start_loc = torch.arange(max_seqs + 1, **i32)
+
+    def fill_tokens(self, input_ids, positions, slot_mapping, padded: int):
+        n = input_ids.shape[0]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(slot_mapping)
+        self.slot_mapping[n:padded].fill_(self.scratch_slot)
+
+    def fill_seqs(self, meta: AttentionMetadata):
+        b, width = meta.num_seqs, meta.block_tables.shape[1]
+        self.seq_lens[:b].copy_(meta.seq_lens)
+        self.block_tables[:b, :width].copy_(meta.block_tables)
+
+
+class CUDAGraphRunner:
+    """Decode steps of up to max_batch sequences, replayed with their LM head: run() returns logits."""
+
+    def __init__(self, model, max_batch: int, max_blocks_per_seq: int, max_model_len: int, block_size: int,
+                 scratch_block: int, vocab_size: int, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.max_model_len = max_model_len
+        self.batch_sizes = graph_batch_sizes(max_batch)
+        self.buffers = _StepBuffers(max_batch, max_batch, max_blocks_per_seq, scratch_block, block_size, device)
+        self.logits = torch.empty(max_batch, vocab_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def _meta(self, bs: int) -> AttentionMetadata:
+        buf = self.buffers
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
-            seq_lens=self.seq_lens[:bs], block_tables=self.block_tables[:bs], num_decodes=bs, max_query_len=1,
+            slot_mapping=buf.slot_mapping[:bs], query_start_loc=buf.query_start_loc[:bs + 1],
+            seq_lens=buf.seq_lens[:bs], block_tables=buf.block_tables[:bs], num_decodes=bs, max_query_len=1,
             max_seq_len=self.max_model_len, query_start_loc_cpu=None, seq_lens_cpu=None)
 
+    def _step(self, bs: int):
+        hidden = self.model(self.buffers.input_ids[:bs], self.buffers.positions[:bs], self._meta(bs))
+        self.logits[:bs] = self.model.compute_logits(hidden)
+
     @torch.inference_mode()
-    def capture(self):
-        pool = None
-        for bs in reversed(self.batch_sizes):
-            args = (self.input_ids[:bs], self.positions[:bs], self._meta(bs))
-            self.hidden[:bs] = self.model(*args)  # warm-up: compiles kernels, sizes workspaces
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.hidden[:bs] = self.model(*args)
-            pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize()
+    def capture(self, pool=None):
+        return _capture(self.graphs, self.batch_sizes, self._step, pool)
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.batch_sizes[-1]
@@ -56,14 +103,66 @@ class CUDAGraphRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = input_ids.shape[0]
         bs = next(b for b in self.batch_sizes if b >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:bs].fill_(self.scratch_slot)
-        self.seq_lens[:n].copy_(meta.seq_lens)
-        self.seq_lens[n:bs].fill_(1)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(meta.block_tables)
-        self.block_tables[n:bs, 0].fill_(self.scratch_block)
+        buf = self.buffers
+        buf.fill_tokens(input_ids, positions, meta.slot_mapping, bs)
+        buf.fill_seqs(meta)
+        buf.seq_lens[n:bs].fill_(1)
+        buf.block_tables[n:bs, 0].fill_(buf.scratch_block)
         self.graphs[bs].replay()
+        return self.logits[:n]
+
+
+class PrefillCUDAGraphRunner:
+    """Steps with prefills (chunks of prompts beside decodes) of up to max_tokens tokens and max_seqs
+    sequences: run() returns the hidden states of the real tokens. The attention grid is a flat tile list
+    (kernels.paged_attention.prefill_tiles) with room for any batch of the bucket, so no host value of the step
+    is baked into the graph. Only steps with large tiles (a query longer than 32 tokens) run here."""
+
+    def __init__(self, model, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, max_model_len: int,
+                 block_size: int, scratch_block: int, hidden_size: int, gqa_group: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.model = model
+        self.max_model_len = max_model_len
+        self.max_seqs = max_seqs
+        self.tile_tokens = prefill_tile_tokens(max_tokens, gqa_group)
+        self.token_counts = prefill_graph_sizes(max_tokens)
+        self.buffers = _StepBuffers(max_tokens, max_seqs, max_blocks_per_seq, scratch_block, block_size, device)
+        self.tiles = torch.full((2, self._num_tiles(max_tokens) + 16), -1, dtype=torch.int32, device=device)
+        self.hidden = torch.empty(max_tokens, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    def _num_tiles(self, tokens: int) -> int:
+        return max_prefill_tiles(tokens, self.max_seqs, self.tile_tokens)
+
+    def _meta(self, tokens: int) -> AttentionMetadata:
+        buf, s = self.buffers, self.max_seqs
+        return AttentionMetadata(
+            slot_mapping=buf.slot_mapping[:tokens], query_start_loc=buf.query_start_loc[:s + 1],
+            seq_lens=buf.seq_lens[:s], block_tables=buf.block_tables[:s], num_decodes=0,
+            max_query_len=tokens, max_seq_len=self.max_model_len, query_start_loc_cpu=None, seq_lens_cpu=None,
+            prefill_tiles=self.tiles[:, :self._num_tiles(tokens)], prefill_tile_tokens=self.tile_tokens)
+
+    def _step(self, tokens: int):
+        self.hidden[:tokens] = self.model(self.buffers.input_ids[:tokens], self.buffers.positions[:tokens],
+                                          self._meta(tokens))
+
+    @torch.inference_mode()
+    def capture(self, pool=None):
+        return _capture(self.graphs, self.token_counts, self._step, pool)
+
+    def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        return (meta.prefill_tiles is not None and meta.prefill_tile_tokens == self.tile_tokens
+                and num_tokens <= self.token_counts[-1] and meta.num_seqs <= self.max_seqs)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n, b = input_ids.shape[0], meta.num_seqs
+        tokens = next(t for t in self.token_counts if t >= n)
+        buf = self.buffers
+        buf.fill_tokens(input_ids, positions, meta.slot_mapping, tokens)
+        buf.fill_seqs(meta)
+        buf.query_start_loc[:b + 1].copy_(meta.query_start_loc)
+        used = meta.prefill_tiles.shape[1]
+        self.tiles[:, :used].copy_(meta.prefill_tiles)
+        self.tiles[:, used:self._num_tiles(tokens)].fill_(-1)
+        self.graphs[tokens].replay()
         return self.hidden[:n]

@@ -7,10 +7,11 @@ import torch
 from nanovllm.attention import AttentionMetadata, get_attention_backend
 from nanovllm.config import Config
 from nanovllm.engine.cpu_allocator import keep_freed_memory
-from nanovllm.engine.cuda_graph import CUDAGraphRunner
+from nanovllm.engine.cuda_graph import CUDAGraphRunner, PrefillCUDAGraphRunner, graph_batch_sizes
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels import gemv as gemv_kernels
 from nanovllm.kernels import pdl
+from nanovllm.kernels.paged_attention import prefill_tile_tokens, prefill_tiles
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import LMHead
@@ -77,6 +78,7 @@ class ModelRunner:
         self.stop_token_ids = sorted(stop_token_ids)
         self.model = self._load_model()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.gqa_group = self.attention_layers[0].num_heads // self.attention_layers[0].num_kv_heads
         self.backend = get_attention_backend(config.attention_backend, config.device, mc.max_model_len)
         for layer in self.attention_layers:
             layer.backend = self.backend
@@ -87,32 +89,46 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()  # after loading: load-time temporaries are returned to the OS as before
         self.sampler = Sampler(use_triton=self.backend.name == "triton")
-        self.graphs = self._capture_cuda_graphs()
-        self._warm_up_sampler()
+        self.graphs, self.prefill_graphs = self._capture_cuda_graphs()
+        # on CUDA the LM head runs on row counts padded to these buckets, each warmed up below
+        self.logit_row_buckets = graph_batch_sizes(config.max_num_seqs) if self.device.type == "cuda" else None
+        self._warm_up_sampling()
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         self.kv_bytes_per_token = self.kv_bytes_per_block() // self.block_size
         self.bytes_read = 0  # weights + KV context read by every step so far (benchmarks' HBM roofline)
 
-    def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
+    def _capture_cuda_graphs(self) -> tuple[CUDAGraphRunner | None, PrefillCUDAGraphRunner | None]:
         if self.device.type != "cuda":
-            return None
+            return None, None
         if self.config.enforce_eager:
-            log_once("enforce_eager=True: decode runs eagerly, without CUDA graphs")
-            return None
+            log_once("enforce_eager=True: every step runs eagerly, without CUDA graphs")
+            return None, None
         if not self.backend.supports_cuda_graphs:
-            log_once(f"the {self.backend.name} attention backend cannot be captured: decode runs eagerly")
-            return None
-        mc = self.config.model_config
-        graphs = CUDAGraphRunner(self.model, min(self.config.max_num_seqs, 512),
-                                 _round_up(-(-mc.max_model_len // self.block_size), ALIGN), mc.max_model_len, self.block_size,
-                                 self.num_blocks, mc.hf_config.hidden_size, self.dtype, self.device)
-        graphs.capture()
-        logger.info(f"captured CUDA graphs for decode batch sizes {graphs.batch_sizes[0]}..{graphs.batch_sizes[-1]}")
-        return graphs
+            log_once(f"the {self.backend.name} attention backend cannot be captured: every step runs eagerly")
+            return None, None
+        cfg, mc = self.config, self.config.model_config
+        blocks_per_seq = _round_up(-(-mc.max_model_len // self.block_size), ALIGN)
+        decode = CUDAGraphRunner(self.model, min(cfg.max_num_seqs, 512), blocks_per_seq, mc.max_model_len,
+                                 self.block_size, self.num_blocks, mc.vocab_size, self.dtype, self.device)
+        pool = decode.capture()
+        logger.info(f"captured CUDA graphs for decode batch sizes {decode.batch_sizes[0]}..{decode.batch_sizes[-1]} "
+                    f"(with the LM head)")
+        prefill = PrefillCUDAGraphRunner(self.model, cfg.max_num_batched_tokens, cfg.max_num_seqs, blocks_per_seq,
+                                         mc.max_model_len, self.block_size, self.num_blocks, mc.hf_config.hidden_size,
+                                         self.gqa_group, self.dtype, self.device)
+        prefill.capture(pool)
+        logger.info(f"captured CUDA graphs for steps with prefills of {prefill.token_counts[0]}.."
+                    f"{prefill.token_counts[-1]} tokens")
+        return decode, prefill
 
     @torch.inference_mode()
-    def _warm_up_sampler(self):
-        """Compile the sampling kernels now rather than inside the first timed step that samples."""
+    def _warm_up_sampling(self):
+        """Compile the sampling kernels, and let cuBLAS pick the LM head's kernel at every row bucket, now rather
+        than inside timed steps (a new row count stalled the host ~5 ms on the H100)."""
+        if self.device.type == "cuda":
+            for rows in self.logit_row_buckets:
+                self.model.compute_logits(torch.zeros(rows, self.hf_config.hidden_size, dtype=self.dtype,
+                                                      device=self.device))
         if self.backend.name != "triton":
             return
         for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)):
@@ -267,16 +283,19 @@ class ModelRunner:
         bs = self.block_size
         num_new = [s.num_scheduled_tokens for s in seqs]
         starts = [0, *itertools.accumulate(num_new)]
-        n, b = starts[-1], len(seqs)
+        n, b, max_query_len = starts[-1], len(seqs), max(num_new)
         width = _round_up(max(len(s.block_table) for s in seqs), ALIGN)
+        tile_tokens = prefill_tile_tokens(max_query_len, self.gqa_group)
+        tiles = prefill_tiles(num_new, tile_tokens) if max_query_len > 1 else None
         # One host-to-device copy for the whole step's integers, cut into views on the device. Every view
-        # starts 64-byte aligned and the table's row stride is a multiple of 16, so the Triton kernels, which
+        # starts 64-byte aligned and the 2-D views' row strides are multiples of 16, so the Triton kernels, which
         # specialize on pointer alignment and stride divisibility, never compile a variant mid-run.
         n_pad, b_pad = _round_up(n, ALIGN // 2), _round_up(b + 1, ALIGN)
-        host = np.zeros(3 * n_pad + 2 * b_pad + b * width, dtype=np.int64)
+        t_pad = _round_up(tiles.shape[1], ALIGN) if tiles is not None else 0
+        host = np.zeros(3 * n_pad + 2 * b_pad + b * width + 2 * t_pad, dtype=np.int64)
         ids, positions, slots = host[:n], host[n_pad:n_pad + n], host[2 * n_pad:2 * n_pad + n]
         small = host[3 * n_pad:]
-        tables = small[2 * b_pad:].reshape(b, width)
+        tables = small[2 * b_pad:2 * b_pad + b * width].reshape(b, width)
         seq_lens = []
         for i, seq in enumerate(seqs):
             start, end, at = seq.num_computed_tokens, seq.num_computed_tokens + num_new[i], starts[i]
@@ -291,13 +310,19 @@ class ModelRunner:
             tables[i, :len(table)] = table
             seq_lens.append(end)
         small[:b + 1], small[b_pad:b_pad + b] = starts, seq_lens
+        if tiles is not None:
+            tile_rows = small[2 * b_pad + b * width:].reshape(2, t_pad)
+            tile_rows[:] = -1
+            tile_rows[:, :tiles.shape[1]] = tiles
         packed = self._to_device(host, torch.int64)
         small = packed[3 * n_pad:].to(torch.int32)
         meta = AttentionMetadata(
             slot_mapping=packed[2 * n_pad:2 * n_pad + n], query_start_loc=small[:b + 1],
-            seq_lens=small[b_pad:b_pad + b], block_tables=small[2 * b_pad:].view(b, width),
-            num_decodes=num_new.count(1), max_query_len=max(num_new), max_seq_len=max(seq_lens),
-            query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+            seq_lens=small[b_pad:b_pad + b], block_tables=small[2 * b_pad:2 * b_pad + b * width].view(b, width),
+            num_decodes=num_new.count(1), max_query_len=max_query_len, max_seq_len=max(seq_lens),
+            query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
+            prefill_tiles=small[2 * b_pad + b * width:].view(2, t_pad) if tiles is not None else None,
+            prefill_tile_tokens=tile_tokens)
         return packed[:n], packed[n_pad:n_pad + n], meta
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
@@ -355,16 +380,22 @@ class ModelRunner:
             tokens, rows = input_ids_from
             input_ids.copy_(tokens if len(rows) == tokens.shape[0] else tokens[self._to_device(rows, torch.int64)])
         self.bytes_read += self.weight_bytes + sum(meta.seq_lens_cpu) * self.kv_bytes_per_token
+        hidden = all_logits = None
         if self.graphs is not None and meta.num_decodes == len(seqs) and self.graphs.can_run(len(seqs)):
-            hidden = self.graphs.run(input_ids, positions, meta)
+            all_logits = self.graphs.run(input_ids, positions, meta)
+        elif self.prefill_graphs is not None and self.prefill_graphs.can_run(meta, input_ids.shape[0]):
+            hidden = self.prefill_graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
         handle = StepHandle(seqs, self._prompt_logprobs(seqs, hidden, meta.query_start_loc_cpu),
                             [i for i, s in enumerate(seqs) if s.is_prefill_done])
         if handle.sample_idx:
             rows = [meta.query_start_loc_cpu[i + 1] - 1 for i in handle.sample_idx]
-            picked = hidden if len(rows) == hidden.shape[0] else hidden[self._to_device(rows, torch.int64)]
-            logits = self.model.compute_logits(picked)
+            if all_logits is not None:  # a decode graph: one row per sequence
+                logits = all_logits if len(rows) == len(seqs) else all_logits[self._to_device(handle.sample_idx,
+                                                                                               torch.int64)]
+            else:
+                logits = self._compute_logits(hidden, rows)
             tensors = self.prepare_sampling([seqs[i] for i in handle.sample_idx])
             handle.tokens, handle.raw_logprobs = self.sampler(logits, tensors)
             handle.max_logprobs = tensors.max_logprobs
@@ -376,6 +407,17 @@ class ModelRunner:
             else:
                 handle.tokens_host = handle.tokens
         return handle
+
+    def _compute_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Logits of hidden's `rows`; on CUDA the LM head runs on a warmed-up bucket of rows (repeats of the
+        last), so that cuBLAS never meets a new shape mid-run."""
+        n = len(rows)
+        padded = rows
+        if self.logit_row_buckets is not None:
+            padded = rows + rows[-1:] * (next(b for b in self.logit_row_buckets if b >= n) - n)
+        every_row = n == hidden.shape[0] and len(padded) == n  # rows are increasing: then they are all of hidden
+        picked = hidden if every_row else hidden[self._to_device(padded, torch.int64)]
+        return self.model.compute_logits(picked)[:n]
 
     @torch.inference_mode()
     def collect(self, handle: StepHandle) -> RunnerOutput:

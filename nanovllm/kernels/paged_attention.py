@@ -6,6 +6,7 @@
   prefix; every key (prefix and new) is read from the cache, where store_kv has just written the new ones.
 References: attention.torch_backend.decode_reference / prefill_reference.
 """
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -173,53 +174,77 @@ def decode_workspace(num_seqs, num_heads, head_dim, num_splits, device):
             torch.empty(n, dtype=torch.float32, device=device), torch.empty(n, dtype=torch.float32, device=device))
 
 
+def prefill_tile_tokens(max_query_len: int, group: int) -> int:
+    """Query tokens a prefill program takes. Its tile is those tokens x the group of query heads that share a KV
+    head (padded to a power of two): 64 rows, or 16 when every sequence brings few new tokens."""
+    rows = 64 if max_query_len > 32 else 16
+    return max(1, rows // triton.next_power_of_2(group))
+
+
+def prefill_tiles(query_lens, tile_tokens: int) -> np.ndarray:
+    """[2, n] int32: for each program of the prefill grid, its sequence and that sequence's query tile. The
+    grid is one flat list of tiles rather than sequences x longest query, so that it depends on no host value
+    but its length: a CUDA graph captures it with room to spare, the spare entries -1. Last tiles first: a
+    prompt's later tiles read the most keys, and the GPU starts the longest programs before the short ones."""
+    counts = -(-np.asarray(query_lens, dtype=np.int64) // tile_tokens)
+    seq = np.repeat(np.arange(len(counts)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.ascontiguousarray(np.stack([seq, np.arange(len(seq)) - first])[:, ::-1]).astype(np.int32)
+
+
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+                    tiles_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+                    stride_bt, stride_tiles, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    D_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """One program: TILE_TOKENS query tokens of one sequence x the GROUP query heads of one KV head, as the rows
+    of one tile (token-major), so each key and value is read once for the whole group."""
     wait_then_release(PDL)
-    seq = tl.program_id(0)
-    tile = tl.program_id(1)
-    head = tl.program_id(2)
+    seq = tl.load(tiles_ptr + tl.program_id(0))
+    if seq < 0:
+        return
+    tile = tl.load(tiles_ptr + stride_tiles + tl.program_id(0))
+    kv_head = tl.program_id(1)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    if tile * BLOCK_M >= q_len:
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix = seq_len - q_len
-    kv_head = head // GROUP
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_len
-    pos = prefix + rows  # absolute position of each query row
+    r = tl.arange(0, TILE_TOKENS * GROUP_PAD)
+    token = tile * TILE_TOKENS + r // GROUP_PAD
+    head = kv_head * GROUP + r % GROUP_PAD
+    row_ok = (token < q_len) & (r % GROUP_PAD < GROUP)
+    pos = prefix + token  # absolute position of each query row
     d = tl.arange(0, D_PAD)
     d_ok = d[None, :] < HEAD_DIM
-    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+    q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok, other=0.0)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)  # causal: no key past the tile's last row
+    m = tl.full([TILE_TOKENS * GROUP_PAD], float("-inf"), tl.float32)
+    denom = tl.zeros([TILE_TOKENS * GROUP_PAD], tl.float32)
+    acc = tl.zeros([TILE_TOKENS * GROUP_PAD, D_PAD], tl.float32)
+    end = tl.minimum(seq_len, prefix + (tile + 1) * TILE_TOKENS)  # causal: no key past the tile's last token
     for n in range(0, end, BLOCK_N):
         offs, valid, k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, n, end, kv_head, d, d_ok,
                                           stride_bt, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N)
         allowed = valid[None, :] & (offs[None, :] <= pos[:, None])
         m, denom, acc = _online_softmax_step(q, k, v, allowed, m, denom, acc, scale, PRECISION)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+    tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
 
 
-def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale, out=None):
-    """q: [T, H, D] (sequences concatenated) -> [T, H, D]; keys come from the cache."""
+def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tiles, tile_tokens, scale,
+                  out=None):
+    """q: [T, H, D] (sequences concatenated) -> [T, H, D]; keys come from the cache. tiles: prefill_tiles(query
+    lengths, tile_tokens) on the device, -1 entries skipped; tile_tokens a power of two."""
     T, H, D = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out
-    block_m = 64 if max_query_len > 32 else 16
-    grid = (seq_lens.shape[0], triton.cdiv(max_query_len, block_m), H)
-    _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, scale,
-                          q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                          k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-                          GROUP=H // num_kv_heads, HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), PAGE=page,
-                          BLOCK_M=block_m, BLOCK_N=64, PRECISION=_precision(q), num_warps=4, **pdl_launch(q.device))
+    group = H // num_kv_heads
+    _prefill_kernel[(tiles.shape[1], num_kv_heads)](
+        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_tables.stride(0), tiles.stride(0), GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), PAGE=page,
+        TILE_TOKENS=tile_tokens, BLOCK_N=64, PRECISION=_precision(q), num_warps=4, **pdl_launch(q.device))
     return out
