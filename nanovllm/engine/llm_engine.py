@@ -157,21 +157,30 @@ class LLMEngine:
         return [self._request_output(r) for r in done]
 
     def _launch_ahead(self, handle, live: list[Sequence]):
-        """Launch live's next decode step, fed by this step's tokens still on the device, or return None."""
+        """Launch the next step (live's decodes, fed by this step's tokens still on the device, and prompt chunks),
+        or return None."""
         if not self.config.async_scheduling or not live:
             return None
         row_of = {i: j for j, i in enumerate(handle.sample_idx)}
-        rows = []
+        token_row = {}  # live seq -> its row of this step's sampled tokens
         for i, seq in enumerate(handle.seqs):
             if seq.is_finished:
                 continue
-            if i not in row_of or seq.params.has_penalties:  # penalties count the tokens: they must be known
+            if seq.params.has_penalties:  # penalties count the tokens: they must be known
                 return None
-            rows.append(row_of[i])
-        if not self.scheduler.schedule_ahead(live):
+            if i in row_of:
+                token_row[id(seq)] = row_of[i]
+        seqs = self.scheduler.schedule_ahead(live, [id(seq) in token_row for seq in live])
+        if seqs is None:
             return None
+        src, dst, row = [], [], 0
+        for seq in seqs:
+            if id(seq) in token_row:  # its one new token is the placeholder
+                src.append(token_row[id(seq)])
+                dst.append(row)
+            row += seq.num_scheduled_tokens
         self.num_steps_ahead += 1
-        return self.model_runner.launch(live, input_ids_from=(handle.tokens, rows))
+        return self.model_runner.launch(seqs, input_ids_from=(handle.tokens, src, dst))
 
     def _append_token(self, request: Request, seq: Sequence, token: int, logprobs: TokenLogprobs | None):
         params = seq.params

@@ -371,14 +371,21 @@ class ModelRunner:
         return outputs, prompts
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], input_ids_from: tuple[torch.Tensor, list[int]] | None = None) -> StepHandle:
+    def launch(self, seqs: list[Sequence],
+               input_ids_from: tuple[torch.Tensor, list[int], list[int]] | None = None) -> StepHandle:
         """Start one step on the device and return without waiting for its tokens. `input_ids_from`
-        (tokens, rows): this step's input ids are rows of a previous step's sampled tokens, still on the device
-        (the pipelined decode; the host holds placeholders for them)."""
+        (tokens, src, dst): input ids dst are rows src of a previous step's sampled tokens, still on the device
+        (a pipelined step; the host holds placeholders for them)."""
         input_ids, positions, meta = self.prepare_inputs(seqs)
         if input_ids_from is not None:
-            tokens, rows = input_ids_from
-            input_ids.copy_(tokens if len(rows) == tokens.shape[0] else tokens[self._to_device(rows, torch.int64)])
+            tokens, src, dst = input_ids_from
+            if not src:
+                pass
+            elif len(src) == tokens.shape[0] == input_ids.shape[0] and src == dst == list(range(len(src))):
+                input_ids.copy_(tokens)
+            else:
+                rows = self._to_device(np.array([src, dst], dtype=np.int64), torch.int64)
+                input_ids.index_copy_(0, rows[1], tokens[rows[0]])
         self.bytes_read += self.weight_bytes + sum(meta.seq_lens_cpu) * self.kv_bytes_per_token
         hidden = all_logits = None
         if self.graphs is not None and meta.num_decodes == len(seqs) and self.graphs.can_run(len(seqs)):

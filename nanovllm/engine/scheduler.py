@@ -59,23 +59,30 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_scheduled_tokens != 1)
         return scheduled
 
-    def schedule_ahead(self, seqs: list[Sequence]) -> bool:
-        """Pipelined decode: account seqs' current step and schedule their next one before its input tokens are
-        known (each seq holds a placeholder for the token in flight). Only when seqs are all that runs, nothing
-        waits, and a block is free for every seq that needs one; otherwise False, nothing changed, and the
-        regular schedule (admission, preemption) runs after the tokens arrive."""
-        if self.waiting or len(seqs) != len(self.running):
-            return False
-        bs = self.block_manager.block_size
-        new_blocks = sum(1 for s in seqs if s.num_tokens // bs >= len(s.block_table))
+    def schedule_ahead(self, seqs: list[Sequence], sampling: list[bool]) -> list[Sequence] | None:
+        """Pipelined scheduling: account seqs' current step and schedule the next one before the tokens that
+        step samples are known (the `sampling` seqs hold a placeholder for theirs; prompts still filling take
+        their next chunk, waiting sequences are admitted as usual). Only when seqs are all that runs and the
+        running sequences' next tokens fit in the free blocks, so that nothing is preempted; otherwise None,
+        nothing changed, and the regular schedule runs after the tokens arrive."""
+        if len(seqs) != len(self.running):
+            return None
+        ahead = {id(seq): one for seq, one in zip(seqs, sampling)}
+        budget, new_blocks, bs = self.max_num_batched_tokens, 0, self.block_manager.block_size
+        for seq in self.running:  # the blocks schedule() will take for them, in its order
+            if id(seq) not in ahead:
+                return None
+            computed = seq.num_computed_tokens + seq.num_scheduled_tokens
+            num_new = min(seq.num_tokens + ahead[id(seq)] - computed, budget)
+            new_blocks += max(0, -(-(computed + num_new) // bs) - len(seq.block_table))
+            budget -= num_new
         if new_blocks > self.block_manager.num_free_blocks:
-            return False
+            return None
         self.finish_step(seqs)
-        for seq in seqs:
-            seq.append_placeholder()
-            self.block_manager.allocate_slots(seq, 1)
-            seq.num_scheduled_tokens = 1
-        return True
+        for seq, one in zip(seqs, sampling):
+            if one:
+                seq.append_placeholder()
+        return self.schedule()
 
     def _preempt(self, seq: Sequence):
         self.block_manager.free(seq)
