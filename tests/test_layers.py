@@ -20,6 +20,25 @@ def test_packed_cpu_linear_matches_f_linear(rows):
     torch.testing.assert_close(fast.apply(layer, x.view(1, rows, 96)), want.view(1, rows, 200), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_methods_write_into_out_as_they_return(bias):
+    """apply(..., out=buf), how a CUDA graph takes the LM head's logits without a copy, writes the very values
+    apply returns."""
+    layer = ReplicatedLinear(96, 200, bias=bias)
+    torch.nn.init.normal_(layer.weight)
+    if bias:
+        torch.nn.init.normal_(layer.bias)
+    x = torch.randn(7, 96)
+    methods = [UnquantizedLinearMethod()]
+    if CpuPackedLinearMethod.available():
+        methods.append(CpuPackedLinearMethod())
+        methods[-1].process_weights_after_loading(layer)
+    for method in methods:
+        out = torch.full((7, 200), float("nan"))
+        assert method.apply(layer, x, out=out) is out
+        assert torch.equal(out, method.apply(layer, x))
+
+
 def test_batched_decode_matches_per_sequence_attention():
     """The batched decode path equals attending each sequence alone, with NaN in every unwritten slot."""
     g = torch.Generator().manual_seed(0)

@@ -237,6 +237,8 @@ def test_gemv_matches_linear(rows, n, k, dtype, bias):
     b = b if bias else None
     want = gemv_reference(x.float(), w.float(), None if b is None else b.float())
     torch.testing.assert_close(gemv(x, w, b).float(), want, **_tol(dtype))
+    out = torch.full((rows, n), float("nan"), dtype=dtype, device=DEVICE)  # a CUDA graph's static output
+    assert gemv(x, w, b, out=out) is out and torch.equal(out, gemv(x, w, b))
     tiles = dict(block_n=16, block_k=64, num_stages=2, num_warps=4)  # K and N tails that the default tiles cover
     torch.testing.assert_close(gemv(x, w, b, **tiles).float(), want, **_tol(dtype))
     if DEVICE == "cuda":  # the L2 prefetch before the PDL wait (compiled only under PDL) changes no value

@@ -91,7 +91,7 @@ class CUDAGraphRunner:
 
     def _step(self, bs: int):
         hidden = self.model(self.buffers.input_ids[:bs], self.buffers.positions[:bs], self._meta(bs))
-        self.logits[:bs] = self.model.compute_logits(hidden)
+        self.model.compute_logits(hidden, out=self.logits[:bs])
 
     @torch.inference_mode()
     def capture(self, pool=None):

@@ -128,20 +128,22 @@ def _l2_pieces(weight: torch.Tensor, block_n: int, num_warps: int) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, l2_prefetch: bool = L2_PREFETCH,
-         row_kernel: bool | None = None, silu_mul: bool = False, **launch) -> torch.Tensor:
+         row_kernel: bool | None = None, silu_mul: bool = False, out: torch.Tensor | None = None,
+         **launch) -> torch.Tensor:
     """x: [M <= MAX_ROWS, K], weight: [N, K] (rows contiguous) -> [M, N]. launch: block_n, block_k,
     num_stages, num_warps (default: launch_config). row_kernel: one row of x goes to the CUDA-core kernel
     (default: ROW_KERNEL, experimental, NANOVLLM_GEMV_ROW=1; scripts/gemv_sweep.py row times it). silu_mul (row
-    kernel only): x is [1, 2K] of stacked gate and up, and the product runs on silu(gate) * up."""
+    kernel only): x is [1, 2K] of stacked gate and up, and the product runs on silu(gate) * up. out: [M, N] to
+    write into (rows contiguous), else a new tensor."""
     M, K = x.shape[0], weight.shape[1]
     row_kernel = (ROW_KERNEL if row_kernel is None else row_kernel) and M == 1
     assert M <= MAX_ROWS and x.stride(1) == 1 and weight.stride(1) == 1
     assert x.shape[1] == (2 * K if silu_mul else K) and (row_kernel or not silu_mul)
     if row_kernel:
-        return _row_gemv(x, weight, bias, l2_prefetch, silu_mul=silu_mul, **launch)
+        return _row_gemv(x, weight, bias, l2_prefetch, silu_mul=silu_mul, out=out, **launch)
     N = weight.shape[0]
     launch = launch or launch_config(N, K)
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
     _gemv_kernel[(triton.cdiv(N, launch["block_n"]),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
@@ -162,11 +164,11 @@ def gemv_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     return y, res_out
 
 
-def _row_gemv(x, weight, bias, l2_prefetch, silu_mul=False, norm=None, **launch):
+def _row_gemv(x, weight, bias, l2_prefetch, silu_mul=False, norm=None, out=None, **launch):
     N, K = weight.shape
     launch = launch or dict(block_n=8, block_k=1024, num_stages=1, num_warps=4)
     residual, norm_weight, eps, res_out = norm if norm is not None else (None, None, 0.0, None)
-    y = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, N, dtype=x.dtype, device=x.device) if out is None else out
     _gemv_row_kernel[(triton.cdiv(N, launch["block_n"]),)](
         x, weight, bias if bias is not None else weight, y, residual if residual is not None else x,
         norm_weight if norm is not None else weight, res_out if res_out is not None else y, N, K, weight.stride(0), eps,

@@ -27,5 +27,5 @@ class LMHead(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, hidden)
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.linear_method.apply(self, hidden, out)

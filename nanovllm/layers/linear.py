@@ -14,7 +14,9 @@ class LinearMethod:
     def process_weights_after_loading(self, layer: nn.Module):
         """Repack the loaded weight for this method's kernel (no-op by default)."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """layer(x); with `out` ([rows, output_size], rows contiguous), written there: a CUDA graph's static
+        output, which spares a copy."""
         raise NotImplementedError
 
     def apply_silu_and_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
@@ -33,8 +35,13 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size), requires_grad=False)
         layer.bias = nn.Parameter(torch.empty(layer.output_size), requires_grad=False) if bias else None
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+    def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return F.linear(x, layer.weight, layer.bias)
+        x2d = x.reshape(-1, x.shape[-1])  # the cuBLAS calls F.linear makes, into `out`
+        if layer.bias is None:
+            return torch.mm(x2d, layer.weight.t(), out=out)
+        return torch.addmm(layer.bias, x2d, layer.weight.t(), out=out)
 
 
 class CpuPackedLinearMethod(UnquantizedLinearMethod):
@@ -57,11 +64,11 @@ class CpuPackedLinearMethod(UnquantizedLinearMethod):
     def process_weights_after_loading(self, layer: nn.Module):
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, 32)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), layer.packed_weight, layer.bias,
-                                                 "none", [], "")
-        return out.view(*shape[:-1], out.shape[-1])
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), layer.packed_weight, layer.bias,
+                                               "none", [], "")
+        return y.view(*shape[:-1], y.shape[-1]) if out is None else out.copy_(y)
 
 
 class TritonGemvLinearMethod(UnquantizedLinearMethod):
@@ -69,12 +76,12 @@ class TritonGemvLinearMethod(UnquantizedLinearMethod):
     cost (3-20% faster than cuBLAS at the layer shapes of scripts/gemv_sweep.py on the H100); F.linear
     (cuBLAS) for larger batches, and as its reference twin."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if rows > MAX_ROWS:
-            return F.linear(x, layer.weight, layer.bias)
-        out = gemv(x.reshape(rows, x.shape[-1]), layer.weight, layer.bias)
-        return out.view(*x.shape[:-1], out.shape[-1])
+            return super().apply(layer, x, out)
+        y = gemv(x.reshape(rows, x.shape[-1]), layer.weight, layer.bias, out=out)
+        return y if out is not None else y.view(*x.shape[:-1], y.shape[-1])
 
     def apply_silu_and_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor | None:
         if not row_kernel_fuses(gate_up.numel() // gate_up.shape[-1]):
