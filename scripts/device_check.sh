@@ -16,7 +16,7 @@ if [[ $what == bench || $what == all ]]; then
   python3 bench.py --max-num-batched-tokens 16384 2>&1 | grep -v INFO | tee "$OUT/bench_throughput_16k.md" | tail -3
   python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO | tee "$OUT/bench_decode1_qwen3.md" | tail -5
   for flags in NANOVLLM_GEMV_L2_PREFETCH=1 NANOVLLM_GEMV_ROW=1 "NANOVLLM_GEMV_ROW=1 NANOVLLM_GEMV_L2_PREFETCH=1"; do
-    echo "decode1 with $flags (experimental GEMV paths, not yet measured)"
+    echo "decode1 with $flags (experimental GEMV paths, off by default)"
     env $flags python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO \
       | tee "$OUT/bench_decode1_qwen3_${flags// /_}.md" | tail -1
   done
@@ -28,7 +28,7 @@ if [[ $what == profile ]]; then  # where the time goes: steps, kernels, and the 
   python3 scripts/attention_sweep.py 256 2048 2>&1 | tee "$OUT/attention_sweep.md" | tail -3
   python3 scripts/gemv_sweep.py 2>&1 | tee "$OUT/gemv_sweep.md" | tail -3
 fi
-if [[ $what == gemv ]]; then  # the GEMV experiments not yet measured: L2 prefetch of W, the CUDA-core row kernel
+if [[ $what == gemv ]]; then  # the experimental GEMV paths kernel by kernel: L2 prefetch of W, the CUDA-core row kernel
   python3 scripts/gemv_sweep.py l2 2>&1 | tee "$OUT/gemv_l2_prefetch.md" | tail -20
   python3 scripts/gemv_sweep.py row 2>&1 | tee "$OUT/gemv_row_kernel.md" | tail -11
   NANOVLLM_GEMV_ROW=1 NANOVLLM_GEMV_L2_PREFETCH=1 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py 2>&1 \

@@ -1,8 +1,9 @@
 """y = x W^T (+ b) for a few rows of x (decode at small batch), where reading W is the whole cost.
 Each program owns BLOCK_N output columns and streams their rows of W once, pipelined; the x rows ride
-along padded to BLOCK_M (or, with row_kernel, one row of x on the CUDA cores). With l2_prefetch
-(experimental, NANOVLLM_GEMV_L2_PREFETCH=1, not yet measured), each program first asks L2 for its rows of W,
-before the PDL wait. Reference: F.linear."""
+along padded to BLOCK_M (or, with row_kernel, one row of x on the CUDA cores; bs=1 decode was slower with it on
+the H100, so it is off). With l2_prefetch (experimental, NANOVLLM_GEMV_L2_PREFETCH=1; bs=1 decode within its
+run-to-run spread, so off), each program first asks L2 for its rows of W, before the PDL wait. Reference:
+F.linear."""
 import os
 
 import torch
