@@ -97,14 +97,21 @@ class ModelRunner:
         self.kv_bytes_per_token = self.kv_bytes_per_block() // self.block_size
         self.bytes_read = 0  # weights + KV context read by every step so far (benchmarks' HBM roofline)
 
-    def _capture_cuda_graphs(self) -> tuple[CUDAGraphRunner | None, PrefillCUDAGraphRunner | None]:
+    def _graph_skip_reason(self) -> str | None:
+        """Why steps will run eagerly (None: they replay CUDA graphs)."""
         if self.device.type != "cuda":
-            return None, None
+            return "not on CUDA"
         if self.config.enforce_eager:
-            log_once("enforce_eager=True: every step runs eagerly, without CUDA graphs")
-            return None, None
+            return "enforce_eager=True: every step runs eagerly, without CUDA graphs"
         if not self.backend.supports_cuda_graphs:
-            log_once(f"the {self.backend.name} attention backend cannot be captured: every step runs eagerly")
+            return f"the {self.backend.name} attention backend cannot be captured: every step runs eagerly"
+        return None
+
+    def _capture_cuda_graphs(self) -> tuple[CUDAGraphRunner | None, PrefillCUDAGraphRunner | None]:
+        skip = self._graph_skip_reason()
+        if skip is not None:
+            if self.device.type == "cuda":
+                log_once(skip)
             return None, None
         cfg, mc = self.config, self.config.model_config
         blocks_per_seq = _round_up(-(-mc.max_model_len // self.block_size), ALIGN)
@@ -222,6 +229,8 @@ class ModelRunner:
         self.profile_run()
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        if self._graph_skip_reason() is None:  # the prefill graphs' own pool holds a forward's activations too
+            activation_peak *= 2
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
