@@ -388,11 +388,9 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare_inputs(seqs)
         if input_ids_from is not None:
             tokens, src, dst = input_ids_from
-            if not src:
-                pass
-            elif len(src) == tokens.shape[0] == input_ids.shape[0] and src == dst == list(range(len(src))):
-                input_ids.copy_(tokens)
-            else:
+            if src == dst == list(range(input_ids.shape[0])) and len(src) == tokens.shape[0]:
+                input_ids.copy_(tokens)  # a steady decode batch: every row, in the same order
+            elif src:
                 rows = self._to_device(np.array([src, dst], dtype=np.int64), torch.int64)
                 input_ids.index_copy_(0, rows[1], tokens[rows[0]])
         self.bytes_read += self.weight_bytes + sum(meta.seq_lens_cpu) * self.kv_bytes_per_token
