@@ -1,17 +1,40 @@
 """Where bench.py's throughput run spends its time: engine steps timed one by one and grouped by what they
 ran (prefill, or decode at a batch size range), each group beside its HBM bound (weights + KV read).
-usage: python scripts/profile_bench.py [same workload flags as bench.py]"""
+With --trace FIRST:LAST ..., those step windows also run under torch.profiler: per window, how busy the GPU was,
+its kernels, and its idle gaps, largest first (a window's first step starts on an
+idle GPU: the profiler starts after a synchronize). --export DIR writes each window's Chrome trace.
+usage: python scripts/profile_bench.py [same workload flags as bench.py] [--trace 0:4 300:306] [--export DIR]"""
 import argparse
 import collections
 import sys
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, ".")
 from bench import make_workload, measure_hbm_bandwidth, resolve_model  # noqa: E402
 from nanovllm import LLM, SamplingParams  # noqa: E402
+
+
+def report_window(prof, name: str):
+    """GPU busy time, top kernels and idle gaps of one traced window."""
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+    if not spans:
+        return
+    busy, end, gaps = 0.0, spans[0][0], []
+    for start, stop, kernel in spans:
+        if start > end:
+            gaps.append((start - end, kernel))
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    span = end - spans[0][0]
+    print(f"\n## steps {name}: {span / 1e3:.2f} ms, GPU busy {busy / span:.0%}, "
+          f"{sum(g for g, _ in gaps) / 1e3:.2f} ms idle in {len(gaps)} gaps (largest: "
+          + ", ".join(f"{g:.0f} us before {k[:30]}" for g, k in sorted(gaps, reverse=True)[:4]) + ")")
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60))
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default="qwen3-0.6b")
@@ -19,7 +42,10 @@ ap.add_argument("--num-seqs", type=int, default=256)
 ap.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
 ap.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
 ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--trace", nargs="*", default=[], help="step windows FIRST:LAST to trace")
+ap.add_argument("--export", default=None, help="a folder for the windows' Chrome traces")
 args = ap.parse_args()
+windows = {int(w.split(":")[0]): int(w.split(":")[1]) for w in args.trace}
 model = resolve_model(args.model, torch.bfloat16)
 prompts, out_lens = make_workload(args, 30000)
 llm = LLM(model, max_model_len=max(map(len, prompts)) + max(out_lens))
@@ -56,11 +82,26 @@ for i, (p, n) in enumerate(zip(prompts, out_lens)):
 groups = collections.defaultdict(lambda: [0, 0.0, 0.0])  # steps, seconds, bound bytes
 torch.cuda.synchronize()
 start = time.perf_counter()
+step, prof, traced = 0, None, 0.0
 while engine.has_unfinished_requests():
+    if step in windows:
+        torch.cuda.synchronize()
+        prof, first = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), step
+        prof.start()
     launched.clear()
     t0 = time.perf_counter()
     engine.step()
     dt = time.perf_counter() - t0
+    step += 1
+    if prof is not None and step == windows[first]:
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        prof.stop()
+        report_window(prof, f"{first}..{step - 1}")
+        if args.export:
+            prof.export_chrome_trace(f"{args.export}/trace_steps_{first}_{step - 1}.json")
+        prof = None
+        traced += time.perf_counter() - t1
     if not launched:
         continue
     num_seqs, prefills, context = launched[0]
@@ -71,7 +112,7 @@ while engine.has_unfinished_requests():
     g[0] += 1
     g[1] += dt
     g[2] += runner.weight_bytes + context * runner.kv_bytes_per_token
-total = time.perf_counter() - start
+total = time.perf_counter() - start - traced  # less the reporting of traced windows
 bw = measure_hbm_bandwidth()
 print(f"{torch.cuda.get_device_name()}: {args.num_seqs} seqs, total {total:.2f} s, copy bandwidth {bw / 1e12:.2f} TB/s")
 print("| steps | count | seconds | ms/step | bound ms/step | of bound | share of run |\n|---|---|---|---|---|---|---|")
