@@ -23,7 +23,7 @@ if [[ $what == bench || $what == all ]]; then
   python3 bench.py --mode sweep --plot "$OUT/decode_vs_batch.png" 2>&1 | grep -v INFO | tee "$OUT/bench_sweep.md" | tail -9
 fi
 if [[ $what == profile ]]; then  # where the time goes: steps, kernels, and the two hot kernels alone
-  python3 scripts/profile_bench.py 2>&1 | grep -v INFO | tee "$OUT/profile_bench.md" | tail -14
+  python3 scripts/profile_bench.py --trace 0:4 300:306 700:706 2>&1 | grep -v INFO | tee "$OUT/profile_bench.md" | tail -14
   for n in 256 1; do python3 scripts/profile_step.py qwen3-0.6b $n 2>&1 | grep -v INFO > "$OUT/profile_step_$n.txt"; done
   python3 scripts/attention_sweep.py 256 2048 2>&1 | tee "$OUT/attention_sweep.md" | tail -3
   python3 scripts/gemv_sweep.py 2>&1 | tee "$OUT/gemv_sweep.md" | tail -3
