@@ -126,11 +126,9 @@ def launch_everything():
         paged_decode(q, k_cache, v_cache, tables, lens, 0.088, splits,
                      new_kv=(kv[:, 2048:3072].view(8, 8, 128), kv[:, 3072:].view(8, 8, 128), torch.arange(8)))
     starts = torch.arange(0, 9 * 8, 8, dtype=torch.int32)
-    for max_query_len in (8, 64):  # Qwen3-0.6B's group of 2 query heads a KV head
-        tile_tokens = prefill_tile_tokens(max_query_len, 2)
-        tiles = torch.from_numpy(prefill_tiles([8] * 8, tile_tokens))
-        paged_prefill(torch.randn(64, 16, 128, **bf16), k_cache, v_cache, tables, lens, starts, tiles, tile_tokens,
-                      0.088)
+    tile_tokens = prefill_tile_tokens(2)  # Qwen3-0.6B's group of 2 query heads a KV head
+    tiles = torch.from_numpy(prefill_tiles([8] * 8, tile_tokens))
+    paged_prefill(torch.randn(64, 16, 128, **bf16), k_cache, v_cache, tables, lens, starts, tiles, tile_tokens, 0.088)
 
 
 def main() -> int:

@@ -173,7 +173,7 @@ def test_paged_prefill_with_cached_prefix_matches_reference(case, dtype):
         starts.append(starts[-1] + n)
     q = torch.randn(starts[-1], heads, head_dim, generator=g).to(dtype).to(DEVICE)
     out = torch.full_like(q, float("nan"))
-    tile_tokens = prefill_tile_tokens(max(q_lens), heads // kv_heads)
+    tile_tokens = prefill_tile_tokens(heads // kv_heads)
     tiles = np.full((2, prefill_tiles(q_lens, tile_tokens).shape[1] + 5), -1, dtype=np.int32)  # spare entries, as a graph's
     tiles[:, :-5] = prefill_tiles(q_lens, tile_tokens)
     paged_prefill(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),

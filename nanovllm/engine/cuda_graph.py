@@ -116,7 +116,7 @@ class PrefillCUDAGraphRunner:
     """Steps with prefills (chunks of prompts beside decodes) of up to max_tokens tokens and max_seqs
     sequences: run() returns the hidden states of the real tokens. The attention grid is a flat tile list
     (kernels.paged_attention.prefill_tiles) with room for any batch of the bucket, so no host value of the step
-    is baked into the graph. Only steps with large tiles (a query longer than 32 tokens) run here."""
+    is baked into the graph."""
 
     def __init__(self, model, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, max_model_len: int,
                  block_size: int, scratch_block: int, hidden_size: int, gqa_group: int, dtype: torch.dtype,
@@ -124,7 +124,7 @@ class PrefillCUDAGraphRunner:
         self.model = model
         self.max_model_len = max_model_len
         self.max_seqs = max_seqs
-        self.tile_tokens = prefill_tile_tokens(max_tokens, gqa_group)
+        self.tile_tokens = prefill_tile_tokens(gqa_group)
         self.token_counts = prefill_graph_sizes(max_tokens)
         self.buffers = _StepBuffers(max_tokens, max_seqs, max_blocks_per_seq, scratch_block, block_size, device)
         self.tiles = torch.full((2, self._num_tiles(max_tokens) + 16), -1, dtype=torch.int32, device=device)
@@ -151,8 +151,8 @@ class PrefillCUDAGraphRunner:
         return _capture(self.graphs, self.token_counts, self._step, pool)
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        return (meta.prefill_tiles is not None and meta.prefill_tile_tokens == self.tile_tokens
-                and num_tokens <= self.token_counts[-1] and meta.num_seqs <= self.max_seqs)
+        return (meta.prefill_tiles is not None and num_tokens <= self.token_counts[-1]
+                and meta.num_seqs <= self.max_seqs)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n, b = input_ids.shape[0], meta.num_seqs

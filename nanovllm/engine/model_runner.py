@@ -294,7 +294,7 @@ class ModelRunner:
         starts = [0, *itertools.accumulate(num_new)]
         n, b, max_query_len = starts[-1], len(seqs), max(num_new)
         width = _round_up(max(len(s.block_table) for s in seqs), ALIGN)
-        tile_tokens = prefill_tile_tokens(max_query_len, self.gqa_group)
+        tile_tokens = prefill_tile_tokens(self.gqa_group)
         tiles = prefill_tiles(num_new, tile_tokens) if max_query_len > 1 else None
         # One host-to-device copy for the whole step's integers, cut into views on the device. Every view
         # starts 64-byte aligned and the 2-D views' row strides are multiples of 16, so the Triton kernels, which

@@ -174,11 +174,11 @@ def decode_workspace(num_seqs, num_heads, head_dim, num_splits, device):
             torch.empty(n, dtype=torch.float32, device=device), torch.empty(n, dtype=torch.float32, device=device))
 
 
-def prefill_tile_tokens(max_query_len: int, group: int) -> int:
+def prefill_tile_tokens(group: int) -> int:
     """Query tokens a prefill program takes. Its tile is those tokens x the group of query heads that share a KV
-    head (padded to a power of two): 64 rows, or 16 when every sequence brings few new tokens."""
-    rows = 64 if max_query_len > 32 else 16
-    return max(1, rows // triton.next_power_of_2(group))
+    head (padded to a power of two), 64 rows. One size for every step, so that one compiled kernel and one set of
+    CUDA graphs serve short prompt chunks too (the kernel is bound by reading K/V there, not by its masked rows)."""
+    return max(1, 64 // triton.next_power_of_2(group))
 
 
 def prefill_tiles(query_lens, tile_tokens: int) -> np.ndarray:
