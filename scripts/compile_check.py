@@ -128,7 +128,7 @@ def launch_everything():
     starts = torch.arange(0, 9 * 8, 8, dtype=torch.int32)
     tile_tokens = prefill_tile_tokens(2)  # Qwen3-0.6B's group of 2 query heads a KV head
     tiles = torch.from_numpy(prefill_tiles([8] * 8, tile_tokens))
-    paged_prefill(torch.randn(64, 16, 128, **bf16), k_cache, v_cache, tables, lens, starts, tiles, tile_tokens, 0.088)
+    paged_prefill(torch.randn(64, 16, 128, **bf16), k_cache, v_cache, tables, lens, starts, tiles, 0.088)
 
 
 def main() -> int:

@@ -123,7 +123,7 @@ def test_triton_backend_matches_torch_backend(step):
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), block_tables=tables,
         num_decodes=sum(1 for m in new if m == 1) if step == "decode" else 1, max_query_len=max(new),
         max_seq_len=max(seq_lens), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
-        prefill_tiles=torch.from_numpy(prefill_tiles(new, 8)).to(DEVICE), prefill_tile_tokens=8)
+        prefill_tiles=torch.from_numpy(prefill_tiles(new, prefill_tile_tokens(heads // kv_heads))).to(DEVICE))
     caches = (k_cache.clone(), v_cache.clone())
     want = TorchAttentionBackend().forward(q, k, v, caches[0], caches[1], meta, head_dim ** -0.5)
     got = TritonAttentionBackend(2048).forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
@@ -177,7 +177,7 @@ def test_paged_prefill_with_cached_prefix_matches_reference(case, dtype):
     tiles = np.full((2, prefill_tiles(q_lens, tile_tokens).shape[1] + 5), -1, dtype=np.int32)  # spare entries, as a graph's
     tiles[:, :-5] = prefill_tiles(q_lens, tile_tokens)
     paged_prefill(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-                  torch.tensor(starts, dtype=torch.int32, device=DEVICE), torch.from_numpy(tiles).to(DEVICE), tile_tokens,
+                  torch.tensor(starts, dtype=torch.int32, device=DEVICE), torch.from_numpy(tiles).to(DEVICE),
                   head_dim ** -0.5, out=out)
     for i, n in enumerate(seq_lens):
         s, e = starts[i], starts[i + 1]

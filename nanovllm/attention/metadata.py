@@ -21,7 +21,6 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int] | None  # host copies, for backends that loop over sequences (None in a
     seq_lens_cpu: list[int] | None         # captured CUDA graph, whose backend reads only device tensors)
     prefill_tiles: torch.Tensor | None = None  # [2, n] int32 (kernels.paged_attention.prefill_tiles), steps with prefills
-    prefill_tile_tokens: int = 32              # the query tokens of one of those tiles
     scratch: dict = field(default_factory=dict)  # a backend's per-step values, computed at the first layer
 
     @property

@@ -25,4 +25,4 @@ class TritonAttentionBackend(AttentionBackend):
                                 new_kv=(k, v, meta.slot_mapping))
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                             meta.prefill_tiles, meta.prefill_tile_tokens, scale)
+                             meta.prefill_tiles, scale)

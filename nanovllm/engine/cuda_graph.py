@@ -127,6 +127,7 @@ class PrefillCUDAGraphRunner:
         self.tile_tokens = prefill_tile_tokens(gqa_group)
         self.token_counts = prefill_graph_sizes(max_tokens)
         self.buffers = _StepBuffers(max_tokens, max_seqs, max_blocks_per_seq, scratch_block, block_size, device)
+        # + 16: a step's tile list arrives padded to a multiple of 16 entries (prepare_inputs' alignment)
         self.tiles = torch.full((2, self._num_tiles(max_tokens) + 16), -1, dtype=torch.int32, device=device)
         self.hidden = torch.empty(max_tokens, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -140,7 +141,7 @@ class PrefillCUDAGraphRunner:
             slot_mapping=buf.slot_mapping[:tokens], query_start_loc=buf.query_start_loc[:s + 1],
             seq_lens=buf.seq_lens[:s], block_tables=buf.block_tables[:s], num_decodes=0,
             max_query_len=tokens, max_seq_len=self.max_model_len, query_start_loc_cpu=None, seq_lens_cpu=None,
-            prefill_tiles=self.tiles[:, :self._num_tiles(tokens)], prefill_tile_tokens=self.tile_tokens)
+            prefill_tiles=self.tiles[:, :self._num_tiles(tokens)])
 
     def _step(self, tokens: int):
         self.hidden[:tokens] = self.model(self.buffers.input_ids[:tokens], self.buffers.positions[:tokens],

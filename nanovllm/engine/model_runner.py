@@ -294,8 +294,7 @@ class ModelRunner:
         starts = [0, *itertools.accumulate(num_new)]
         n, b, max_query_len = starts[-1], len(seqs), max(num_new)
         width = _round_up(max(len(s.block_table) for s in seqs), ALIGN)
-        tile_tokens = prefill_tile_tokens(self.gqa_group)
-        tiles = prefill_tiles(num_new, tile_tokens) if max_query_len > 1 else None
+        tiles = prefill_tiles(num_new, prefill_tile_tokens(self.gqa_group)) if max_query_len > 1 else None
         # One host-to-device copy for the whole step's integers, cut into views on the device. Every view
         # starts 64-byte aligned and the 2-D views' row strides are multiples of 16, so the Triton kernels, which
         # specialize on pointer alignment and stride divisibility, never compile a variant mid-run.
@@ -330,8 +329,7 @@ class ModelRunner:
             seq_lens=small[b_pad:b_pad + b], block_tables=small[2 * b_pad:2 * b_pad + b * width].view(b, width),
             num_decodes=num_new.count(1), max_query_len=max_query_len, max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
-            prefill_tiles=small[2 * b_pad + b * width:].view(2, t_pad) if tiles is not None else None,
-            prefill_tile_tokens=tile_tokens)
+            prefill_tiles=small[2 * b_pad + b * width:].view(2, t_pad) if tiles is not None else None)
         return packed[:n], packed[n_pad:n_pad + n], meta
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
