@@ -45,7 +45,7 @@ class Config:
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 1024 on CPU (a chunk's activations stay in cache), 8192 on GPU
+    max_num_batched_tokens: int | None = None  # None: 1024 on CPU (a chunk's activations stay in cache), 16384 on GPU
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # CPU default: 4 GiB, as vLLM's VLLM_CPU_KVCACHE_SPACE
     num_gpu_blocks_override: int | None = None
@@ -67,7 +67,7 @@ class Config:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
                  f"block_size must be a power of two from 1 to 256, got {self.block_size}")
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(self.max_num_seqs, 1024 if self.device == "cpu" else 8192)
+            self.max_num_batched_tokens = max(self.max_num_seqs, 1024 if self.device == "cpu" else 16384)
         _require(self.max_num_batched_tokens >= self.max_num_seqs,
                  f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                  f"({self.max_num_seqs}): every running sequence needs one token a step")

@@ -13,7 +13,7 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench.py 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -8
-  python3 bench.py --max-num-batched-tokens 16384 2>&1 | grep -v INFO | tee "$OUT/bench_throughput_16k.md" | tail -3
+  python3 bench.py --max-num-batched-tokens 8192 2>&1 | grep -v INFO | tee "$OUT/bench_throughput_8k.md" | tail -3
   python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO | tee "$OUT/bench_decode1_qwen3.md" | tail -5
   for flags in NANOVLLM_GEMV_L2_PREFETCH=1 NANOVLLM_GEMV_ROW=1 "NANOVLLM_GEMV_ROW=1 NANOVLLM_GEMV_L2_PREFETCH=1"; do
     echo "decode1 with $flags (experimental GEMV paths, off by default)"

@@ -1,11 +1,13 @@
 """Where bench.py's throughput run spends its time: engine steps timed one by one and grouped by what they
-ran (prefill, or decode at a batch size range), each group beside its HBM bound (weights + KV read).
+ran (prefill, or decode at a batch size range), each group beside its HBM bound (weights + KV read) and the
+host's wait for the step's tokens (near 0: the host, not the GPU, set the pace); then the run's garbage collections.
 With --trace FIRST:LAST ..., those step windows also run under torch.profiler: per window, how busy the GPU was,
 its kernels, and its idle gaps, largest first (a window's first step starts on an
 idle GPU: the profiler starts after a synchronize). --export DIR writes each window's Chrome trace.
 usage: python scripts/profile_bench.py [same workload flags as bench.py] [--trace 0:4 300:306] [--export DIR]"""
 import argparse
 import collections
+import gc
 import sys
 import time
 
@@ -42,13 +44,15 @@ ap.add_argument("--num-seqs", type=int, default=256)
 ap.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
 ap.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
 ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--max-num-batched-tokens", type=int, default=None)
 ap.add_argument("--trace", nargs="*", default=[], help="step windows FIRST:LAST to trace")
 ap.add_argument("--export", default=None, help="a folder for the windows' Chrome traces")
 args = ap.parse_args()
 windows = {int(w.split(":")[0]): int(w.split(":")[1]) for w in args.trace}
 model = resolve_model(args.model, torch.bfloat16)
 prompts, out_lens = make_workload(args, 30000)
-llm = LLM(model, max_model_len=max(map(len, prompts)) + max(out_lens))
+extra = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
+llm = LLM(model, max_model_len=max(map(len, prompts)) + max(out_lens), **extra)
 llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4), use_tqdm=False)
 engine = llm.llm_engine
 runner = engine.model_runner
@@ -63,6 +67,31 @@ def recording_launch(seqs, **kw):
 
 
 runner.launch = recording_launch
+waited = [0.0]  # host seconds spent in collect(): waiting for a step's tokens (GPU-bound while it is > 0)
+collect = runner.collect
+
+
+def timed_collect(handle):
+    t0 = time.perf_counter()
+    out = collect(handle)
+    waited[0] += time.perf_counter() - t0
+    return out
+
+
+runner.collect = timed_collect
+gc_runs = collections.defaultdict(lambda: [0, 0.0])  # generation -> collections, seconds
+gc_start = [0.0]
+
+
+def gc_callback(phase, info):
+    if phase == "start":
+        gc_start[0] = time.perf_counter()
+    else:
+        gc_runs[info["generation"]][0] += 1
+        gc_runs[info["generation"]][1] += time.perf_counter() - gc_start[0]
+
+
+gc.callbacks.append(gc_callback)
 compiles = []  # Triton kernels compiled (or loaded from the disk cache) inside the timed run
 do_compile = JITFunction._do_compile
 
@@ -79,7 +108,7 @@ prefill_ms = []
 for i, (p, n) in enumerate(zip(prompts, out_lens)):
     engine.add_request(str(i), p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, seed=i,
                                                  detokenize=False))
-groups = collections.defaultdict(lambda: [0, 0.0, 0.0])  # steps, seconds, bound bytes
+groups = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])  # steps, seconds, bound bytes, seconds waited
 torch.cuda.synchronize()
 start = time.perf_counter()
 step, prof, traced = 0, None, 0.0
@@ -89,6 +118,7 @@ while engine.has_unfinished_requests():
         prof, first = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), step
         prof.start()
     launched.clear()
+    waited[0] = 0.0
     t0 = time.perf_counter()
     engine.step()
     dt = time.perf_counter() - t0
@@ -112,12 +142,17 @@ while engine.has_unfinished_requests():
     g[0] += 1
     g[1] += dt
     g[2] += runner.weight_bytes + context * runner.kv_bytes_per_token
+    g[3] += waited[0]
 total = time.perf_counter() - start - traced  # less the reporting of traced windows
 bw = measure_hbm_bandwidth()
 print(f"{torch.cuda.get_device_name()}: {args.num_seqs} seqs, total {total:.2f} s, copy bandwidth {bw / 1e12:.2f} TB/s")
-print("| steps | count | seconds | ms/step | bound ms/step | of bound | share of run |\n|---|---|---|---|---|---|---|")
+print("| steps | count | seconds | ms/step | bound ms/step | of bound | share of run | host waited ms/step |\n"
+      "|---|---|---|---|---|---|---|---|")
 for key in sorted(groups):
-    n, s, b = groups[key]
-    print(f"| {key} | {n} | {s:.2f} | {s / n * 1e3:.2f} | {b / bw / n * 1e3:.2f} | {b / bw / s:.0%} | {s / total:.0%} |")
+    n, s, b, w = groups[key]
+    print(f"| {key} | {n} | {s:.2f} | {s / n * 1e3:.2f} | {b / bw / n * 1e3:.2f} | {b / bw / s:.0%} | {s / total:.0%} "
+          f"| {w / n * 1e3:.2f} |")
+print("garbage collections in the timed run: " + ", ".join(
+    f"gen {g}: {n} ({t * 1e3:.1f} ms)" for g, (n, t) in sorted(gc_runs.items())))
 print(f"prefill steps, ms: {' '.join(prefill_ms)}")
 print(f"Triton compiles in the timed run: {len(compiles)} " + " ".join(f"{n} ({t:.2f} s)" for n, t in compiles))
