@@ -356,7 +356,7 @@ def test_gumbel_argmax_matches_reference(vocab, num_splits):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gumbel_argmax_with_temperature_matches_reference(dtype):
     """The fused pass: logits in the model's dtype, divided by each row's temperature; rows at 0 are greedy."""
-    from nanovllm.kernels.sampling import gumbel_argmax
+    from nanovllm.kernels.sampling import _block, gumbel_argmax
     from nanovllm.layers.sampler import gumbel_argmax_reference
 
     g = torch.Generator().manual_seed(5)
@@ -366,9 +366,12 @@ def test_gumbel_argmax_with_temperature_matches_reference(dtype):
     steps = torch.randint(0, 5000, (rows,), generator=g).to(DEVICE)
     temperature = torch.rand(rows, generator=g).to(DEVICE) * 1.5
     temperature[::3] = 0
+    logits[3] = 0  # a greedy row of ties: the first maximum wins, though a later one sits in an earlier lane
+    logits[3, 200] = logits[3, _block() + 8] = 1
     got = gumbel_argmax(logits, seeds, steps, temperature)
     assert got.tolist() == gumbel_argmax_reference(logits, seeds, steps, temperature).tolist()
-    assert got[::3].tolist() == logits[::3].float().argmax(-1).tolist()
+    assert got[::3].tolist() == logits[::3].float().argmax(-1).tolist() and got[3] == 200
+    assert gumbel_argmax(logits[3:4], seeds[3:4], steps[3:4], temperature[3:4], num_splits=1).item() == 200
     hot = torch.full_like(temperature, 50.0)  # near-uniform draws: most rows leave the argmax
     assert (gumbel_argmax(logits, seeds, steps, hot) != logits.float().argmax(-1)).float().mean() > 0.5
 

@@ -40,8 +40,9 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, p
     key = _mix32(seed ^ _mix32(step + 0x3C6EF372))
     begin = split * split_len
     end = tl.minimum(begin + split_len, vocab)
-    best = float("-inf")
-    best_idx = begin
+    # each lane keeps its best score and where (strict >: its earliest); one reduction after the loop
+    lane_best = tl.full([BLOCK], float("-inf"), tl.float32)
+    lane_idx = tl.full([BLOCK], begin, tl.int32)
     for start in range(begin, end, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < end
@@ -53,10 +54,11 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, p
         else:
             logit = logit - tl.log(-tl.log(uniform))
         score = tl.where(ok, logit, float("-inf"))
-        block_best = tl.max(score, 0)
-        if block_best > best:  # strict: ties keep the earliest index, as torch.argmax
-            best = block_best
-            best_idx = start + tl.argmax(score, 0)
+        better = score > lane_best
+        lane_best = tl.where(better, score, lane_best)
+        lane_idx = tl.where(better, offs, lane_idx)
+    best = tl.max(lane_best, 0)
+    best_idx = tl.min(tl.where(lane_best == best, lane_idx, vocab), 0)  # ties: the earliest, as torch.argmax
     if num_splits == 1:
         tl.store(out_ptr + row, best_idx)
     else:
