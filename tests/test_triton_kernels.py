@@ -95,41 +95,126 @@ def test_paged_decode_storing_the_new_token_matches_store_then_decode(case, dtyp
     assert torch.equal(v_cache.nan_to_num(7.0), cache_before[1].nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_paged_decode_rotating_q_and_k_matches_rotary_then_decode(case, dtype, num_splits, qk_norm):
+    """The decode kernel given unrotated q and k (and Qwen3's q/k norms): the rotary twin at each sequence's last
+    position, then decode; the cache gets the rotated key."""
+    from nanovllm.attention.metadata import DecodeRope
+    from nanovllm.layers.layernorm import RMSNorm
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+    seq_lens, page, heads, kv_heads, head_dim = case
+    g = torch.Generator().manual_seed(11)
+    k_cache, v_cache, tables = _paged_cache(seq_lens, page, kv_heads, head_dim, dtype, g)
+    rope = RotaryEmbedding(head_dim, 8192, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    norms = [None, None]
+    if qk_norm:
+        norms = [RMSNorm(head_dim, 1e-6).to(DEVICE).to(dtype) for _ in range(2)]
+        for norm in norms:
+            norm.weight.data = (1 + torch.randn(head_dim, generator=g) * 0.1).to(dtype).to(DEVICE)
+    B = len(seq_lens)
+    qkv = torch.randn(B, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(DEVICE)
+    q = qkv[:, :heads * head_dim].view(B, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(B, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(B, kv_heads, head_dim)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    last = lens.long() - 1
+    slots = tables[torch.arange(B, device=DEVICE), last // page].long() * page + last % page
+    k_cache.view(-1, kv_heads, head_dim)[slots] = float("nan")
+    v_cache.view(-1, kv_heads, head_dim)[slots] = float("nan")
+    want_q, want_k = rope.forward_native(last, q, k, *norms)
+    want_caches = (k_cache.clone(), v_cache.clone())
+    want = paged_decode(want_q.contiguous(), *want_caches, tables, lens, head_dim ** -0.5, num_splits,
+                        new_kv=(want_k.contiguous(), v, slots))
+    cos, sin = rope.tables(dtype)
+    fused = DecodeRope(cos, sin, norms[0].weight if qk_norm else None, norms[1].weight if qk_norm else None, 1e-6)
+    got = paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, num_splits, new_kv=(k, v, slots),
+                       rope=fused)
+    torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+    _exact_or_close(k_cache.view(-1, kv_heads, head_dim)[slots], want_k, dtype)
+    assert torch.equal(v_cache.nan_to_num(7.0), want_caches[1].nan_to_num(7.0))
+
+
+def _step(new, heads, kv_heads, head_dim, g, seq_lens=(1, 17, 40), page=16):
+    """A step's metadata (`new` tokens per sequence, seq_lens the context after it) and a cache whose slots for
+    the step's tokens are NaN (not written yet)."""
+    from nanovllm.attention.metadata import AttentionMetadata
+
+    seq_lens = list(seq_lens)
+    k_cache, v_cache, tables = _paged_cache(seq_lens, page, kv_heads, head_dim, torch.float32, g)
+    slots = torch.cat([tables[i, torch.arange(n - m, n, device=DEVICE) // page].long() * page
+                       + torch.arange(n - m, n, device=DEVICE) % page for i, (n, m) in enumerate(zip(seq_lens, new))])
+    k_cache.view(-1, kv_heads, head_dim)[slots] = float("nan")
+    v_cache.view(-1, kv_heads, head_dim)[slots] = float("nan")
+    starts = [0, *torch.tensor(new).cumsum(0).tolist()]
+    num_decodes = next((i for i, m in enumerate(new) if m != 1), len(new))
+    meta = AttentionMetadata(
+        slot_mapping=slots, query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), block_tables=tables,
+        num_decodes=num_decodes, max_query_len=max(new), max_seq_len=max(seq_lens), query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+        prefill_tiles=torch.from_numpy(prefill_tiles(new, prefill_tile_tokens(heads // kv_heads))).to(DEVICE))
+    return meta, k_cache, v_cache
+
+
 @pytest.mark.parametrize("step", ["decode", "prefill"])
 def test_triton_backend_matches_torch_backend(step):
     """The backends behind one interface: same outputs and the same cache after a decode step (whose kernel
     stores the new keys and values itself) and after a prefill step over a cached prefix (store, then attend)."""
-    from nanovllm.attention.metadata import AttentionMetadata
     from nanovllm.attention.torch_backend import TorchAttentionBackend
     from nanovllm.attention.triton_backend import TritonAttentionBackend
 
     g = torch.Generator().manual_seed(3)
-    page, heads, kv_heads, head_dim = 16, 4, 2, 64
-    seq_lens = [1, 17, 40]  # context after this step
+    heads, kv_heads, head_dim = 4, 2, 64
     new = [1, 1, 1] if step == "decode" else [1, 9, 23]
-    k_cache, v_cache, tables = _paged_cache(seq_lens, page, kv_heads, head_dim, torch.float32, g)
-    slots = torch.cat([tables[i, torch.arange(n - m, n, device=DEVICE) // page].long() * page
-                       + torch.arange(n - m, n, device=DEVICE) % page for i, (n, m) in enumerate(zip(seq_lens, new))])
-    k_cache.view(-1, kv_heads, head_dim)[slots] = float("nan")  # the step's tokens are not in the cache yet
-    v_cache.view(-1, kv_heads, head_dim)[slots] = float("nan")
+    meta, k_cache, v_cache = _step(new, heads, kv_heads, head_dim, g)
     T = sum(new)
     qkv = torch.randn(T, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE)
     q = qkv[:, :heads * head_dim].view(T, heads, head_dim)
     k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(T, kv_heads, head_dim)
     v = qkv[:, (heads + kv_heads) * head_dim:].view(T, kv_heads, head_dim)
-    starts = [0, *torch.tensor(new).cumsum(0).tolist()]
-    meta = AttentionMetadata(
-        slot_mapping=slots, query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), block_tables=tables,
-        num_decodes=sum(1 for m in new if m == 1) if step == "decode" else 1, max_query_len=max(new),
-        max_seq_len=max(seq_lens), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
-        prefill_tiles=torch.from_numpy(prefill_tiles(new, prefill_tile_tokens(heads // kv_heads))).to(DEVICE))
     caches = (k_cache.clone(), v_cache.clone())
     want = TorchAttentionBackend().forward(q, k, v, caches[0], caches[1], meta, head_dim ** -0.5)
     got = TritonAttentionBackend(2048).forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
     torch.testing.assert_close(got, want, **_tol(torch.float32))
     assert torch.equal(k_cache.nan_to_num(7.0), caches[0].nan_to_num(7.0))
     assert torch.equal(v_cache.nan_to_num(7.0), caches[1].nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+def test_qwen3_attention_on_triton_matches_torch_backend(step):
+    """Qwen3's attention layer: on decode steps the Triton backend's kernel applies the q/k norms and rotary
+    itself (the rotary kernel is skipped); output and cache as the torch backend after the rotary twin."""
+    from transformers import Qwen3Config
+
+    from nanovllm.attention.torch_backend import TorchAttentionBackend
+    from nanovllm.attention.triton_backend import TritonAttentionBackend
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+    from nanovllm.models.llama import LlamaAttention
+
+    config = Qwen3Config(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                         max_position_embeddings=256)
+    g = torch.Generator().manual_seed(9)
+    rotary = RotaryEmbedding(32, 256, rope_parameters(config))
+    layer = LlamaAttention(config, rotary, qkv_bias=False, o_bias=False, qk_norm=True).to(DEVICE)
+    for param in layer.parameters():
+        param.data = (torch.randn(param.shape, generator=g) * 0.2 + (1 if param.dim() == 1 else 0)).to(DEVICE)
+    new = [1, 1, 1] if step == "decode" else [1, 9, 23]
+    meta, k_cache, v_cache = _step(new, 4, 2, 32, g)
+    positions = torch.cat([torch.arange(n - m, n) for n, m in zip(meta.seq_lens_cpu, new)]).to(DEVICE)
+    qkv = torch.randn(sum(new), (4 + 2 * 2) * 32, generator=g).to(DEVICE)
+    outputs, caches = [], []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend(2048)):
+        layer.attn.backend, layer.attn.k_cache, layer.attn.v_cache = backend, k_cache.clone(), v_cache.clone()
+        assert layer.attn.rotates_in_kernel(meta) == (backend.rotates_decode and step == "decode")
+        outputs.append(layer(positions, qkv.clone(), meta))
+        caches.append((layer.attn.k_cache, layer.attn.v_cache))
+    torch.testing.assert_close(outputs[1], outputs[0], **_tol(torch.float32))
+    for got, want in zip(caches[1], caches[0]):
+        torch.testing.assert_close(got.nan_to_num(7.0), want.nan_to_num(7.0), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("max_tokens", [256, 1000, 8192, 16384])

@@ -1,6 +1,6 @@
 import torch
 
-from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.metadata import AttentionMetadata, DecodeRope
 
 
 class AttentionBackend:
@@ -13,7 +13,9 @@ class AttentionBackend:
 
     name = "abstract"
     supports_cuda_graphs = False  # True: decode reads only device tensors, so a captured graph can replay it
+    rotates_decode = False  # True: forward takes `rope` on decode steps, with q and k unrotated
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
-                v_cache: torch.Tensor | None, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor | None, meta: AttentionMetadata, scale: float,
+                rope: DecodeRope | None = None) -> torch.Tensor:
         raise NotImplementedError

@@ -1,4 +1,5 @@
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -26,3 +27,13 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+
+class DecodeRope(NamedTuple):
+    """What an attention kernel needs to apply rotary (after Qwen3's q/k norms) itself on a decode step: the
+    cos/sin tables [max_position, head_dim] in the model dtype, the norms' weights (None: no norms) and eps."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_norm_weight: torch.Tensor | None
+    k_norm_weight: torch.Tensor | None
+    eps: float

@@ -60,7 +60,7 @@ def prefill_reference(q, k, v, k_cache, v_cache, block_table, seq_len, scale):
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope=None):
         if k_cache is not None:
             store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)

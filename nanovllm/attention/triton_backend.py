@@ -11,18 +11,20 @@ from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode, pa
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    rotates_decode = True  # the decode kernel applies rotary (and q/k norms): one kernel fewer a layer
 
     def __init__(self, max_model_len: int):
         self.max_model_len = max_model_len
         self._reference = TorchAttentionBackend()  # for the memory-profiling run, which has no cache
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope=None):
         if k_cache is None:
             return self._reference.forward(q, k, v, None, None, meta, scale)
         if meta.num_decodes == meta.num_seqs:  # the decode kernel stores the step's keys and values itself
             splits = decode_num_splits(meta.num_seqs, k_cache.shape[2], self.max_model_len, num_sms(q.device))
             return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
-                                new_kv=(k, v, meta.slot_mapping))
+                                new_kv=(k, v, meta.slot_mapping), rope=rope)
+        assert rope is None, "rope is taken on decode steps only"
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                              meta.prefill_tiles, scale)

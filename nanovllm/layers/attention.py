@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata
+from nanovllm.attention.metadata import DecodeRope
 
 
 class Attention(nn.Module):
@@ -14,5 +15,11 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                rope: DecodeRope | None = None) -> torch.Tensor:
+        """rope (only where rotates_in_kernel): q and k are unrotated, the backend's kernel rotates them."""
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, rope)
+
+    def rotates_in_kernel(self, meta: AttentionMetadata) -> bool:
+        """Whether this step's attention kernel applies rotary itself: decode steps on a backend that can."""
+        return self.k_cache is not None and self.backend.rotates_decode and meta.num_decodes == meta.num_seqs

@@ -2,6 +2,7 @@ import math
 
 import torch
 
+from nanovllm.attention.metadata import DecodeRope
 from nanovllm.layers.custom_op import CustomOp
 
 
@@ -59,6 +60,13 @@ class RotaryEmbedding(CustomOp):
         if dtype not in self._tables:
             self._tables[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
         return self._tables[dtype]
+
+    def decode_rope(self, dtype: torch.dtype, q_norm=None, k_norm=None) -> DecodeRope:
+        """What an attention kernel needs to apply this rotary (after the q/k norms) itself."""
+        cos, sin = self.tables(dtype)
+        if q_norm is None:
+            return DecodeRope(cos, sin, None, None, 0.0)
+        return DecodeRope(cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
 
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
