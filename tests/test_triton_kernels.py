@@ -95,6 +95,20 @@ def test_paged_decode_storing_the_new_token_matches_store_then_decode(case, dtyp
     assert torch.equal(v_cache.nan_to_num(7.0), cache_before[1].nan_to_num(7.0))
 
 
+def _rotary_and_norms(head_dim, max_position, dtype, qk_norm, g):
+    """A rotary embedding and Qwen3's q/k norms with random weights near 1 ([None, None] without norms)."""
+    from nanovllm.layers.layernorm import RMSNorm
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(head_dim, max_position, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
+    norms = [None, None]
+    if qk_norm:
+        norms = [RMSNorm(head_dim, 1e-6).to(DEVICE).to(dtype) for _ in range(2)]
+        for norm in norms:
+            norm.weight.data = (1 + torch.randn(head_dim, generator=g) * 0.1).to(dtype).to(DEVICE)
+    return rope, norms
+
+
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -103,18 +117,11 @@ def test_paged_decode_rotating_q_and_k_matches_rotary_then_decode(case, dtype, n
     """The decode kernel given unrotated q and k (and Qwen3's q/k norms): the rotary twin at each sequence's last
     position, then decode; the cache gets the rotated key."""
     from nanovllm.attention.metadata import DecodeRope
-    from nanovllm.layers.layernorm import RMSNorm
-    from nanovllm.layers.rotary_embedding import RotaryEmbedding
 
     seq_lens, page, heads, kv_heads, head_dim = case
     g = torch.Generator().manual_seed(11)
     k_cache, v_cache, tables = _paged_cache(seq_lens, page, kv_heads, head_dim, dtype, g)
-    rope = RotaryEmbedding(head_dim, 8192, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
-    norms = [None, None]
-    if qk_norm:
-        norms = [RMSNorm(head_dim, 1e-6).to(DEVICE).to(dtype) for _ in range(2)]
-        for norm in norms:
-            norm.weight.data = (1 + torch.randn(head_dim, generator=g) * 0.1).to(dtype).to(DEVICE)
+    rope, norms = _rotary_and_norms(head_dim, 8192, dtype, qk_norm, g)
     B = len(seq_lens)
     qkv = torch.randn(B, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(DEVICE)
     q = qkv[:, :heads * head_dim].view(B, heads, head_dim)
@@ -508,17 +515,9 @@ def test_silu_and_mul_matches_twin(dtype, d):
 @pytest.mark.parametrize("shape", [(4, 2, 64), (3, 1, 80)] if DEVICE == "cpu" else [(4, 2, 64), (3, 1, 80), (32, 8, 128),
                                                                                      (16, 8, 128)])
 def test_rotary_in_place_matches_twin(dtype, qk_norm, shape):
-    from nanovllm.layers.layernorm import RMSNorm
-    from nanovllm.layers.rotary_embedding import RotaryEmbedding
-
     heads, kv_heads, head_dim = shape
     g = torch.Generator().manual_seed(7)
-    rope = RotaryEmbedding(head_dim, 4096, {"rope_type": "default", "rope_theta": 10000.0}).to(DEVICE)
-    norms = [None, None]
-    if qk_norm:
-        norms = [RMSNorm(head_dim, 1e-6).to(DEVICE).to(dtype) for _ in range(2)]
-        for norm in norms:
-            norm.weight.data = (1 + torch.randn(head_dim, generator=g) * 0.1).to(dtype).to(DEVICE)
+    rope, norms = _rotary_and_norms(head_dim, 4096, dtype, qk_norm, g)
     tokens = 9
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(DEVICE)
     positions = torch.randint(0, 4096, (tokens,), generator=g).to(DEVICE)
