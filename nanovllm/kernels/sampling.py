@@ -34,7 +34,7 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, p
     row = tl.program_id(0)
     split = tl.program_id(1)
     temperature = tl.load(temp_ptr + row).to(tl.float32) if HAS_TEMPERATURE else 1.0
-    divisor = tl.where(temperature > 0, temperature, 1.0)
+    inverse = tl.math.div_rn(1.0, tl.where(temperature > 0, temperature, 1.0))  # as the reference's reciprocal
     seed = tl.load(seeds_ptr + row).to(tl.uint32)
     step = tl.load(steps_ptr + row).to(tl.uint32)
     key = _mix32(seed ^ _mix32(step + 0x3C6EF372))
@@ -49,8 +49,8 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, p
         logit = tl.load(logits_ptr + row * stride + offs, mask=ok, other=float("-inf")).to(tl.float32)
         bits = _mix32(key + offs.to(tl.uint32) * tl.full([], 0x9E3779B9, tl.uint32))
         uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        if HAS_TEMPERATURE:  # as the reference: divide (correctly rounded), then add the noise
-            logit = tl.where(temperature > 0, tl.math.div_rn(logit, divisor) - tl.log(-tl.log(uniform)), logit)
+        if HAS_TEMPERATURE:  # as the reference: times 1 / temperature, then add the noise
+            logit = tl.where(temperature > 0, logit * inverse - tl.log(-tl.log(uniform)), logit)
         else:
             logit = logit - tl.log(-tl.log(uniform))
         score = tl.where(ok, logit, float("-inf"))
@@ -95,7 +95,7 @@ def sample_num_splits(rows: int, vocab: int, num_sms: int) -> int:
 def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
                   temperature: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """logits: [B, V] (filtered entries -inf) -> sampled token ids [B] int64. With `temperature` [B], the
-    logits are divided by it first, and rows at 0 are greedy. num_splits: vocabulary splits per row (default:
+    logits are multiplied by its reciprocal first, and rows at 0 are greedy. num_splits: vocabulary splits per row (default:
     sample_num_splits); their best scores merge in a second kernel."""
     assert logits.stride(1) == 1
     rows, vocab = logits.shape
