@@ -85,10 +85,14 @@ def run_ours(args, model, prompts, out_lens, dtype):
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, seed=i, detokenize=False)
               for i, n in enumerate(out_lens)]
     runner = llm.llm_engine.model_runner
-    before = runner.bytes_read
-    seconds, outs = timed_generate(llm, prompts, params, args.device)
-    assert [len(o.outputs[0].token_ids) for o in outs] == out_lens
-    return seconds, runner.bytes_read - before, llm
+    runs = []  # (seconds, bytes read) of each timed run
+    for _ in range(args.repeat):
+        assert llm.reset_prefix_cache()  # every run computes every prompt token
+        before = runner.bytes_read
+        seconds, outs = timed_generate(llm, prompts, params, args.device)
+        assert [len(o.outputs[0].token_ids) for o in outs] == out_lens
+        runs.append((seconds, runner.bytes_read - before))
+    return runs, llm
 
 
 def run_hf(args, model, prompts, out_lens, dtype):
@@ -126,19 +130,26 @@ def header(args, dtype, extra=""):
             f"| {args.mode} | {extra} |\n")
 
 
+def throughput_row(engine: str, tokens: int, seconds: float, bytes_read: int, bw: float | None) -> str:
+    roofline = f"{bytes_read / bw / seconds:.0%} of HBM roofline ({bytes_read / 1e9:.0f} GB read, {bw / 1e12:.2f} TB/s)" \
+        if bw else ""
+    return f"| {engine} | {tokens} | {seconds:.2f} | {tokens / seconds:.0f} | 1.00x | {roofline} |"
+
+
 def bench_throughput(args, model, dtype, vocab):
     prompts, out_lens = make_workload(args, vocab)
     total_out = sum(out_lens)
-    seconds, bytes_read, _ = run_ours(args, model, prompts, out_lens, dtype)
+    runs, _ = run_ours(args, model, prompts, out_lens, dtype)
     print(header(args, dtype, f"{args.num_seqs} seqs, input U{args.input_len} ({sum(map(len, prompts))} tok), "
                               f"output U{args.output_len} ({total_out} tok), eager={args.enforce_eager}, "
                               f"max_num_batched_tokens={args.max_num_batched_tokens or 'default'}"))
     print("| engine | output tokens | seconds | output tok/s | vs nanovllm | roofline |\n|---|---|---|---|---|---|")
-    roofline = ""
-    if args.device.startswith("cuda"):
-        bw = measure_hbm_bandwidth()
-        roofline = f"{bytes_read / bw / seconds:.0%} of HBM roofline ({bytes_read / 1e9:.0f} GB read, {bw / 1e12:.2f} TB/s)"
-    print(f"| nanovllm | {total_out} | {seconds:.2f} | {total_out / seconds:.0f} | 1.00x | {roofline} |")
+    bw = measure_hbm_bandwidth() if args.device.startswith("cuda") else None
+    for i, (seconds, bytes_read) in enumerate(runs if len(runs) > 1 else []):
+        print(throughput_row(f"nanovllm run {i + 1}/{len(runs)}", total_out, seconds, bytes_read, bw))
+    seconds, bytes_read = sorted(runs)[len(runs) // 2]  # the median run, last
+    print(throughput_row("nanovllm" + (f" median of {len(runs)}" if len(runs) > 1 else ""), total_out, seconds,
+                         bytes_read, bw))
     if args.hf:
         hf_seconds, hf_tokens = run_hf(args, model, prompts, out_lens, dtype)
         ratio = (total_out / seconds) / (hf_tokens / hf_seconds)
@@ -244,6 +255,8 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="throughput mode; default: the engine's")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1, help="throughput mode: timed runs on one engine (the prefix "
+                    "cache reset before each); the median run is the last row")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256], help="sweep mode")
     ap.add_argument("--plot", default=None, help="sweep mode: write a PNG of tok/s against batch size here")

@@ -49,6 +49,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache, so that the next prompts compute every token (repeated benchmark runs);
+        False while requests still hold KV blocks."""
+        return self.llm_engine.block_manager.reset_prefix_cache()
+
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.get_tokenizer()(prompt).input_ids

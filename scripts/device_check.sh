@@ -12,7 +12,7 @@ if [[ $what == tests || $what == all ]]; then
     | grep -v "Loading weights" | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [[ $what == bench || $what == all ]]; then
-  python3 bench.py 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -8
+  python3 bench.py --repeat 3 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -10
   python3 bench.py --max-num-batched-tokens 8192 2>&1 | grep -v INFO | tee "$OUT/bench_throughput_8k.md" | tail -3
   python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO | tee "$OUT/bench_decode1_qwen3.md" | tail -5
   for flags in NANOVLLM_GEMV_L2_PREFETCH=1 NANOVLLM_GEMV_ROW=1 "NANOVLLM_GEMV_ROW=1 NANOVLLM_GEMV_L2_PREFETCH=1"; do

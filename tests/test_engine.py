@@ -43,12 +43,29 @@ def test_prefix_caching_reuses_blocks_and_changes_nothing(tiny_model_dir):
     # a prompt fully covered by the cache still recomputes its last token (it needs logits)
     again = cached.generate(prompts[:1], GREEDY, use_tqdm=False)
     assert _tokens(again) == _tokens(first) and again[0].num_cached_tokens > 0
+    assert cached.reset_prefix_cache()
+    hits = cached.llm_engine.block_manager.num_cache_hit_blocks
+    after_reset = cached.generate(prompts[:1], GREEDY, use_tqdm=False)
+    assert after_reset[0].num_cached_tokens == 0 and _tokens(after_reset) == _tokens(first)
+    assert cached.llm_engine.block_manager.num_cache_hit_blocks == hits
     block_aligned = {"prompt_token_ids": shared[:96]}
     cached.generate(block_aligned, GREEDY, use_tqdm=False)
     twice = cached.generate(block_aligned, GREEDY, use_tqdm=False)
     assert twice[0].num_cached_tokens == 80  # 96 tokens cached, but the last block is recomputed
     for llm in (cached, plain):
         assert_no_leaks(llm)
+
+
+def test_reset_prefix_cache_refuses_while_blocks_are_held(tiny_model_dir):
+    llm = LLM(tiny_model_dir("tiny-llama"), max_model_len=512, kv_cache_memory_bytes=32 << 20)
+    engine = llm.llm_engine
+    engine.add_request("a", list(range(3, 60)), SamplingParams(max_tokens=4))
+    engine.step()
+    assert not llm.reset_prefix_cache() and engine.block_manager.cached  # the running prompt's blocks stay
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.reset_prefix_cache() and not engine.block_manager.cached
+    assert_no_leaks(llm)
 
 
 def test_preemption_gives_identical_outputs(tiny_model_dir):

@@ -111,6 +111,16 @@ class BlockManager:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache): False, and nothing changed, while a
+        sequence still holds blocks."""
+        if len(self.free_queue) != len(self.blocks):
+            return False
+        for block in self.blocks:
+            block.block_hash, block.token_ids = None, ()
+        self.cached.clear()
+        return True
+
     def cache_full_blocks(self, seq: Sequence):
         """Register the blocks that seq's computed tokens have filled, so later prompts can share them."""
         if not self.enable_prefix_caching:
