@@ -95,8 +95,8 @@ def sample_num_splits(rows: int, vocab: int, num_sms: int) -> int:
 def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
                   temperature: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
     """logits: [B, V] (filtered entries -inf) -> sampled token ids [B] int64. With `temperature` [B], the
-    logits are multiplied by its reciprocal first, and rows at 0 are greedy. num_splits: vocabulary splits per row (default:
-    sample_num_splits); their best scores merge in a second kernel."""
+    logits are multiplied by its reciprocal first, and rows at 0 are greedy. num_splits: vocabulary splits per
+    row (default: sample_num_splits); their best scores merge in a second kernel."""
     assert logits.stride(1) == 1
     rows, vocab = logits.shape
     splits = num_splits or sample_num_splits(rows, vocab, num_sms(logits.device))

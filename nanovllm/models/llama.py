@@ -32,11 +32,12 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.attn.rotates_in_kernel(meta):
-            return self.o_proj(self.attn(q, k, v, meta, self.rotary.decode_rope(q.dtype, self.q_norm, self.k_norm))
-                               .flatten(1))
-        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
-        return self.o_proj(self.attn(q, k, v, meta).flatten(1))
+        if self.attn.rotates_in_kernel(meta):  # the decode kernel norms and rotates q and k itself
+            out = self.attn(q, k, v, meta, self.rotary.decode_rope(q.dtype, self.q_norm, self.k_norm))
+        else:
+            q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
+            out = self.attn(q, k, v, meta)
+        return self.o_proj(out.flatten(1))
 
 
 class LlamaMLP(nn.Module):
