@@ -262,6 +262,8 @@ def main():
     ap.add_argument("--plot", default=None, help="sweep mode: write a PNG of tok/s against batch size here")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers' batched generate")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error(f"--repeat must be >= 1, got {args.repeat}")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     model = resolve_model(args.model, dtype)
     from nanovllm.weights.model_files import load_model_config
