@@ -112,6 +112,9 @@ def launch_everything():
                             gemv_add_rms_norm(torch.randn(1, k_dim, dtype=dtype), residual, torch.ones(k_dim, dtype=dtype),
                                               1e-6, torch.empty(n, k_dim, dtype=dtype), l2_prefetch=l2_prefetch)
         gemv(torch.randn(3, 300, dtype=dtype), torch.randn(33, 300, dtype=dtype), torch.randn(33, dtype=dtype))
+        for rows in (24, 64) if dtype == torch.bfloat16 else ():  # 17-64 rows (NANOVLLM_GEMV_ROWS above 16)
+            for n, k_dim in layers:
+                gemv(torch.randn(rows, k_dim, dtype=dtype), torch.empty(n, k_dim, dtype=dtype))
         for rows, splits in ((256, 1), (4, None), (1, 64)):  # this CPU counts as 4 SMs: pick the H100's splits
             logits, seeds = torch.empty(rows, 151936, dtype=dtype), torch.zeros(rows, dtype=torch.int64)
             gumbel_argmax(logits, seeds, seeds, num_splits=splits)

@@ -317,7 +317,8 @@ def test_round_to_matches_torch_casts(dtype):
     torch.testing.assert_close(out, x.to(dtype).float(), rtol=0, atol=0, equal_nan=True)
 
 
-GEMV_SHAPES = [(1, 40, 96), (3, 33, 300), (16, 64, 1024)] + ([] if DEVICE == "cpu" else [(1, 4096, 1024), (7, 1024, 3072)])
+GEMV_SHAPES = [(1, 40, 96), (3, 33, 300), (16, 64, 1024), (24, 40, 96)] + ([] if DEVICE == "cpu" else [
+    (1, 4096, 1024), (7, 1024, 3072), (40, 6144, 1024), (64, 1024, 3072), (64, 151936, 1024)])
 
 
 @pytest.mark.parametrize("rows,n,k", GEMV_SHAPES)

@@ -165,7 +165,7 @@ class ModelRunner:
             log_once("CPU linears: oneDNN packed fp32 weights")
             method = CpuPackedLinearMethod
         elif self.device.type == "cuda" and self.dtype != torch.float32 and self.backend.name == "triton":
-            log_once(f"CUDA linears: Triton GEMV up to {gemv_kernels.MAX_ROWS} rows, cuBLAS above")
+            log_once(f"CUDA linears: Triton GEMV up to {gemv_kernels.GEMV_ROWS} rows, cuBLAS above")
             for on, what in ((gemv_kernels.ROW_KERNEL, "NANOVLLM_GEMV_ROW=1: one-row linears run the experimental "
                               "CUDA-core GEMV with the norm or activation before it fused in"),
                              (gemv_kernels.L2_PREFETCH, "NANOVLLM_GEMV_L2_PREFETCH=1: GEMVs prefetch their weight "

@@ -1,6 +1,6 @@
-"""y = x W^T (+ b) for a few rows of x (decode at small batch), where reading W is the whole cost.
+"""y = x W^T (+ b) for up to 64 rows of x (decode at small batch), where reading W is the whole cost.
 Each program owns BLOCK_N output columns and streams their rows of W once, pipelined; the x rows ride
-along padded to BLOCK_M (or, with row_kernel, one row of x on the CUDA cores; bs=1 decode was slower with it on
+along padded to BLOCK_M = 16, 32 or 64 (or, with row_kernel, one row of x on the CUDA cores; bs=1 decode was slower with it on
 the H100, so it is off). With l2_prefetch (experimental, NANOVLLM_GEMV_L2_PREFETCH=1; bs=1 decode within its
 run-to-run spread, so off), each program first asks L2 for its rows of W, before the PDL wait. Reference:
 F.linear."""
@@ -17,7 +17,10 @@ from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 from nanovllm.kernels.rounding import round_to
 from nanovllm.logger import log_once
 
-MAX_ROWS = 16
+MAX_ROWS = 64
+# the linears' GEMV up to this many rows, cuBLAS above: at 17-64 rows it beat cuBLAS at every Qwen3-0.6B shape on
+# the H100 (cuBLAS tiles leave most SMs idle on a 1024-wide output), +3-13% decode at 24-64 sequences
+GEMV_ROWS = int(os.environ.get("NANOVLLM_GEMV_ROWS", str(MAX_ROWS)))
 L2_PREFETCH = os.environ.get("NANOVLLM_GEMV_L2_PREFETCH", "0") == "1"
 ROW_KERNEL = os.environ.get("NANOVLLM_GEMV_ROW", "0") == "1"
 
@@ -102,11 +105,20 @@ def _gemv_row_kernel(x_ptr, w_ptr, b_ptr, y_ptr, res_ptr, norm_w_ptr, res_out_pt
     tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_ok)
 
 
-def launch_config(n: int, k: int) -> dict:
+def launch_config(n: int, k: int, block_m: int = 16) -> dict:
     """Tile sizes that did best for each layer shape of Qwen3-0.6B and Llama-3-8B on the H100
-    (scripts/gemv_sweep.py): narrow column blocks for narrow outputs, long K tiles for long rows."""
-    block_k = 128 if k <= 1024 else 512
-    return dict(block_n=16 if n <= 2048 else 32, block_k=block_k, num_stages=6 if block_k == 128 else 4, num_warps=4)
+    (scripts/gemv_sweep.py; 32-64 rows: .scratch sweep of Qwen3-0.6B's shapes): narrow column blocks for narrow
+    outputs, long K tiles for long rows; with 32-64 rows of x, whose tiles share the pipeline's shared memory,
+    shorter K tiles and, for wide outputs, as many columns as rows."""
+    if block_m == 16:
+        block_k = 128 if k <= 1024 else 512
+        return dict(block_n=16 if n <= 2048 else 32, block_k=block_k, num_stages=6 if block_k == 128 else 4,
+                    num_warps=4)
+    if n <= 2048:
+        return dict(block_n=16, block_k=256 if block_m == 32 else 128, num_stages=5, num_warps=4)
+    if block_m == 32:
+        return dict(block_n=32, block_k=256, num_stages=3, num_warps=4)
+    return dict(block_n=64, block_k=128, num_stages=5 if n <= 8192 else 3, num_warps=4)
 
 
 def row_kernel_fuses(rows: int) -> bool:
@@ -143,11 +155,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if row_kernel:
         return _row_gemv(x, weight, bias, l2_prefetch, silu_mul=silu_mul, out=out, **launch)
     N = weight.shape[0]
-    launch = launch or launch_config(N, K)
+    block_m = max(16, triton.next_power_of_2(M))
+    if not launch:
+        launch = launch_config(N, K, block_m)
+        if block_m > 16 and x.element_size() > 2:  # fp32 tiles are twice the shared memory: a shallower pipeline
+            launch["num_stages"] = 2
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
     _gemv_kernel[(triton.cdiv(N, launch["block_n"]),)](
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=MAX_ROWS, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         L2_PIECES=_l2_pieces(weight, launch["block_n"], launch["num_warps"]) if l2_prefetch else 0,
         num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl_launch(x.device))

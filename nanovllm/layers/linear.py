@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.kernels.gemv import MAX_ROWS, gemv, gemv_add_rms_norm, row_kernel_fuses
+from nanovllm.kernels.gemv import GEMV_ROWS, gemv, gemv_add_rms_norm, row_kernel_fuses
 
 
 class LinearMethod:
@@ -72,13 +72,13 @@ class CpuPackedLinearMethod(UnquantizedLinearMethod):
 
 
 class TritonGemvLinearMethod(UnquantizedLinearMethod):
-    """CUDA, bf16/fp16: a Triton GEMV for batches of up to MAX_ROWS rows, where reading the weight is the whole
-    cost (3-20% faster than cuBLAS at the layer shapes of scripts/gemv_sweep.py on the H100); F.linear
-    (cuBLAS) for larger batches, and as its reference twin."""
+    """CUDA, bf16/fp16: a Triton GEMV for batches of up to GEMV_ROWS (64) rows, where reading the weight is the
+    whole cost (3-20% faster than cuBLAS at the layer shapes of scripts/gemv_sweep.py on the H100, up to 25% at
+    17-64 rows); F.linear (cuBLAS) for larger batches, and as its reference twin."""
 
     def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows > MAX_ROWS:
+        if rows > GEMV_ROWS:
             return super().apply(layer, x, out)
         y = gemv(x.reshape(rows, x.shape[-1]), layer.weight, layer.bias, out=out)
         return y if out is not None else y.view(*x.shape[:-1], y.shape[-1])
