@@ -49,7 +49,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # CPU default: 4 GiB, as vLLM's VLLM_CPU_KVCACHE_SPACE
     num_gpu_blocks_override: int | None = None
-    block_size: int = 16
+    block_size: int | None = None  # None: 256 where flash_attn will run (its paged kernels need it), else 16
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     async_scheduling: bool = True  # launch a decode batch's next step before reading its tokens back
@@ -61,6 +61,10 @@ class Config:
         from nanovllm.weights.model_files import load_model_config  # heavy imports stay lazy
 
         self.device = self._resolve_device(self.device)
+        if self.block_size is None:
+            from nanovllm.attention.selector import default_block_size
+
+            self.block_size = default_block_size(self.device, self.attention_backend)
         _require(0 < self.gpu_memory_utilization <= 1,
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

@@ -22,7 +22,7 @@ class LLM:
 
     def __init__(self, model: str, tokenizer: str | None = None, dtype="auto", device: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 gpu_memory_utilization: float = 0.9, block_size: int = 16, enable_prefix_caching: bool = True,
+                 gpu_memory_utilization: float = 0.9, block_size: int | None = None, enable_prefix_caching: bool = True,
                  enforce_eager: bool = False, async_scheduling: bool = True, seed: int = 0,
                  num_gpu_blocks_override: int | None = None,
                  kv_cache_memory_bytes: int | None = None, attention_backend: str | None = None,

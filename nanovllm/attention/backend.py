@@ -13,6 +13,7 @@ class AttentionBackend:
 
     name = "abstract"
     supports_cuda_graphs = False  # True: decode reads only device tensors, so a captured graph can replay it
+    supports_prefill_graphs = True  # with supports_cuda_graphs: steps with prefills may replay graphs too
     rotates_decode = False  # True: forward takes `rope` on decode steps, with q and k unrotated
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,

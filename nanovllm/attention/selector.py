@@ -1,12 +1,19 @@
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.logger import log_once
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "flash_attn")
 
 
-def _default(device: str) -> str:
+def _default(device: str, block_size: int) -> str:
     if not device.startswith("cuda"):
         return "torch"
+    from nanovllm.attention.flash_attn_backend import PAGE_MULTIPLE, flash_attn_available
+
+    if flash_attn_available():
+        if block_size % PAGE_MULTIPLE == 0:
+            return "flash_attn"
+        log_once(f"flash_attn is importable, but its paged kernels need block_size a multiple of {PAGE_MULTIPLE} "
+                 f"(block_size={block_size}): attention runs the triton backend")
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -15,17 +22,29 @@ def _default(device: str) -> str:
     return "triton"
 
 
-def get_attention_backend(name: str | None, device: str, max_model_len: int) -> AttentionBackend:
+def default_block_size(device: str, attention_backend: str | None) -> int:
+    """KV block size when the user gives none: flash_attn's paged kernels need 256, the others take vLLM's 16."""
+    from nanovllm.attention.flash_attn_backend import PAGE_MULTIPLE, flash_attn_available
+
+    wants_flash = attention_backend == "flash_attn" or (attention_backend is None and device.startswith("cuda"))
+    return PAGE_MULTIPLE if wants_flash and flash_attn_available() else 16
+
+
+def get_attention_backend(name: str | None, device: str, max_model_len: int, block_size: int) -> AttentionBackend:
     """The one place that picks the attention backend; the choice is logged once."""
-    name = name or _default(device)
+    name = name or _default(device, block_size)
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {BACKENDS} or None, got {name!r}")
+    if name != "torch" and not device.startswith("cuda"):
+        raise ValueError(f"attention_backend={name!r} needs device='cuda'")
     if name == "triton":
-        if not device.startswith("cuda"):
-            raise ValueError("attention_backend='triton' needs device='cuda'")
         from nanovllm.attention.triton_backend import TritonAttentionBackend
 
         backend = TritonAttentionBackend(max_model_len)
+    elif name == "flash_attn":
+        from nanovllm.attention.flash_attn_backend import FlashAttnBackend
+
+        backend = FlashAttnBackend(block_size)
     else:
         from nanovllm.attention.torch_backend import TorchAttentionBackend
 

@@ -79,7 +79,10 @@ class ModelRunner:
         self.model = self._load_model()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.gqa_group = self.attention_layers[0].num_heads // self.attention_layers[0].num_kv_heads
-        self.backend = get_attention_backend(config.attention_backend, config.device, mc.max_model_len)
+        self.backend = get_attention_backend(config.attention_backend, config.device, mc.max_model_len,
+                                             config.block_size)
+        # the fused Triton layers, GEMV and sampler go with every GPU backend but the torch reference
+        self.fast_kernels = self.device.type == "cuda" and self.backend.name != "torch"
         for layer in self.attention_layers:
             layer.backend = self.backend
         self._choose_linear_method()
@@ -88,7 +91,7 @@ class ModelRunner:
         self._allocate_kv_cache()
         if self.device.type == "cpu":
             keep_freed_memory()  # after loading: load-time temporaries are returned to the OS as before
-        self.sampler = Sampler(use_triton=self.backend.name == "triton")
+        self.sampler = Sampler(use_triton=self.fast_kernels)
         self.graphs, self.prefill_graphs = self._capture_cuda_graphs()
         # on CUDA the LM head runs on row counts padded to these buckets, each warmed up below
         self.logit_row_buckets = graph_batch_sizes(config.max_num_seqs) if self.device.type == "cuda" else None
@@ -120,6 +123,10 @@ class ModelRunner:
         pool = decode.capture()
         logger.info(f"captured CUDA graphs for decode batch sizes {decode.batch_sizes[0]}..{decode.batch_sizes[-1]} "
                     f"(with the LM head)")
+        if not self.backend.supports_prefill_graphs:
+            log_once(f"the {self.backend.name} attention backend runs steps with prefills eagerly (decode steps "
+                     "replay CUDA graphs)")
+            return decode, None
         prefill = PrefillCUDAGraphRunner(self.model, cfg.max_num_batched_tokens, cfg.max_num_seqs, blocks_per_seq,
                                          mc.max_model_len, self.block_size, self.num_blocks, mc.hf_config.hidden_size,
                                          self.gqa_group, self.dtype, self.device)
@@ -136,7 +143,7 @@ class ModelRunner:
             for rows in self.logit_row_buckets:
                 self.model.compute_logits(torch.zeros(rows, self.hf_config.hidden_size, dtype=self.dtype,
                                                       device=self.device))
-        if self.backend.name != "triton":
+        if not self.fast_kernels:
             return
         for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.9)):
             seq = Sequence("warm-up", 0, [0], params, seed=0, arrival=0)
@@ -157,14 +164,14 @@ class ModelRunner:
 
     def _choose_linear_method(self):
         """fp32 on CPU runs oneDNN-packed weights when this torch build has them; half precision on CUDA with
-        the Triton backend runs the Triton GEMV for small batches; otherwise F.linear."""
+        the Triton or flash_attn backend runs the Triton GEMV for small batches; otherwise F.linear."""
         if self.device.type == "cpu" and self.dtype == torch.float32:
             if not CpuPackedLinearMethod.available():
                 log_once("oneDNN packed linear is not available in this torch build: CPU linears run F.linear")
                 return
             log_once("CPU linears: oneDNN packed fp32 weights")
             method = CpuPackedLinearMethod
-        elif self.device.type == "cuda" and self.dtype != torch.float32 and self.backend.name == "triton":
+        elif self.fast_kernels and self.dtype != torch.float32:
             log_once(f"CUDA linears: Triton GEMV up to {gemv_kernels.GEMV_ROWS} rows, cuBLAS above")
             for on, what in ((gemv_kernels.ROW_KERNEL, "NANOVLLM_GEMV_ROW=1: one-row linears run the experimental "
                               "CUDA-core GEMV with the norm or activation before it fused in"),
@@ -175,7 +182,7 @@ class ModelRunner:
             method = TritonGemvLinearMethod
         else:
             if self.device.type == "cuda":
-                log_once("CUDA linears: cuBLAS only (the Triton GEMV serves bf16/fp16 with the Triton backend)")
+                log_once("CUDA linears: cuBLAS only (the Triton GEMV serves bf16/fp16 beside a fast attention backend)")
             return
         for module in self.model.modules():
             if isinstance(module, (LinearBase, LMHead)) and type(module.linear_method) is UnquantizedLinearMethod:
@@ -183,9 +190,9 @@ class ModelRunner:
                 module.linear_method.process_weights_after_loading(module)
 
     def _choose_layer_kernels(self):
-        """Fused Triton layers go with the Triton attention backend; the torch backend keeps the whole model on
+        """Fused Triton layers go with the Triton and flash_attn backends; the torch backend keeps the whole model on
         the plain torch reference path."""
-        use_triton = self.device.type == "cuda" and self.backend.name == "triton"
+        use_triton = self.fast_kernels
         for module in self.model.modules():
             if isinstance(module, CustomOp):
                 module.use_triton = use_triton
@@ -229,7 +236,8 @@ class ModelRunner:
         self.profile_run()
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        if self._graph_skip_reason() is None:  # the prefill graphs' own pool holds a forward's activations too
+        if self._graph_skip_reason() is None and self.backend.supports_prefill_graphs:  # the prefill graphs' own
+            # pool holds a forward's activations too
             activation_peak *= 2
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)

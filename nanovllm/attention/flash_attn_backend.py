@@ -1,0 +1,58 @@
+"""flash-attn 2 (>= 2.5: paged KV) where it is importable: the step's K/V go into the cache with the Triton store
+kernel, then decode steps attend through flash_attn_with_kvcache and steps with prefills through
+flash_attn_varlen_func over the paged cache (cached prefixes and chunked prefill included; decodes in the same
+step are one-token queries). Its paged kernels need blocks of a multiple of 256 tokens. Steps with prefills run
+eagerly: the varlen call takes the step's longest query and context as host integers, which a graph would bake
+in. Reference: torch_backend."""
+import functools
+
+import torch
+
+from nanovllm.attention.backend import AttentionBackend
+from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.torch_backend import TorchAttentionBackend
+
+PAGE_MULTIPLE = 256
+
+
+@functools.cache
+def flash_attn_available() -> bool:
+    try:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class FlashAttnBackend(AttentionBackend):
+    name = "flash_attn"
+    supports_cuda_graphs = True
+    supports_prefill_graphs = False
+
+    def __init__(self, block_size: int):
+        if not flash_attn_available():
+            raise ValueError("attention_backend='flash_attn' needs the flash_attn package (2.5 or newer), which is "
+                             "not importable here; pass attention_backend=None for the default")
+        if block_size % PAGE_MULTIPLE:
+            raise ValueError(f"attention_backend='flash_attn' needs block_size a multiple of {PAGE_MULTIPLE} (its "
+                             f"paged kernels), got {block_size}: pass block_size={PAGE_MULTIPLE}")
+        self._reference = TorchAttentionBackend()  # for the memory-profiling run, which has no cache
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope=None):
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+        from nanovllm.kernels.kv_store import store_kv
+
+        if k_cache is None:
+            return self._reference.forward(q, k, v, None, None, meta, scale)
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.num_decodes == meta.num_seqs:
+            return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
+                                           block_table=meta.block_tables, softmax_scale=scale,
+                                           causal=True).squeeze(1)
+        cu_seqlens_k = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=q.device)
+        torch.cumsum(meta.seq_lens, 0, out=cu_seqlens_k[1:])
+        return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc,
+                                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=meta.max_query_len,
+                                      max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
+                                      block_table=meta.block_tables)
