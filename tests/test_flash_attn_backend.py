@@ -1,17 +1,17 @@
 """The flash_attn backend against the torch reference. On CPU (and wherever flash_attn is not installed) its two
 flash-attn entry points are a plain stand-in written here from flash-attn's documented semantics (paged K/V
 through block_table, causal masks aligned to the end of each context, GQA): that checks what the backend passes
-them. Where flash_attn is importable on a GPU, the same comparison runs on the real kernels (marked gpu)."""
+them. Where flash_attn is importable on a GPU, the same tests run on the real kernels."""
 import sys
 import types
 
 import pytest
 import torch
+from test_triton_kernels import _step
 
 from nanovllm.attention import flash_attn_backend
 from nanovllm.attention.selector import default_block_size, get_attention_backend
 from nanovllm.attention.torch_backend import TorchAttentionBackend
-from test_triton_kernels import _step
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
