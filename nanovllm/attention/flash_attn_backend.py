@@ -37,22 +37,21 @@ class FlashAttnBackend(AttentionBackend):
             raise ValueError(f"attention_backend='flash_attn' needs block_size a multiple of {PAGE_MULTIPLE} (its "
                              f"paged kernels), got {block_size}: pass block_size={PAGE_MULTIPLE}")
         self._reference = TorchAttentionBackend()  # for the memory-profiling run, which has no cache
-
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope=None):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         from nanovllm.kernels.kv_store import store_kv
 
+        self._varlen, self._with_kvcache, self._store_kv = flash_attn_varlen_func, flash_attn_with_kvcache, store_kv
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope=None):
         if k_cache is None:
             return self._reference.forward(q, k, v, None, None, meta, scale)
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.num_decodes == meta.num_seqs:
-            return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
-                                           block_table=meta.block_tables, softmax_scale=scale,
-                                           causal=True).squeeze(1)
+            return self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
+                                      block_table=meta.block_tables, softmax_scale=scale, causal=True).squeeze(1)
         cu_seqlens_k = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=q.device)
         torch.cumsum(meta.seq_lens, 0, out=cu_seqlens_k[1:])
-        return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc,
-                                      cu_seqlens_k=cu_seqlens_k, max_seqlen_q=meta.max_query_len,
-                                      max_seqlen_k=meta.max_seq_len, softmax_scale=scale, causal=True,
-                                      block_table=meta.block_tables)
+        return self._varlen(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=cu_seqlens_k,
+                            max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len, softmax_scale=scale,
+                            causal=True, block_table=meta.block_tables)

@@ -110,6 +110,9 @@ class ModelRunner:
             return f"the {self.backend.name} attention backend cannot be captured: every step runs eagerly"
         return None
 
+    def _captures_prefill_graphs(self) -> bool:
+        return self._graph_skip_reason() is None and self.backend.supports_prefill_graphs
+
     def _capture_cuda_graphs(self) -> tuple[CUDAGraphRunner | None, PrefillCUDAGraphRunner | None]:
         skip = self._graph_skip_reason()
         if skip is not None:
@@ -123,7 +126,7 @@ class ModelRunner:
         pool = decode.capture()
         logger.info(f"captured CUDA graphs for decode batch sizes {decode.batch_sizes[0]}..{decode.batch_sizes[-1]} "
                     f"(with the LM head)")
-        if not self.backend.supports_prefill_graphs:
+        if not self._captures_prefill_graphs():
             log_once(f"the {self.backend.name} attention backend runs steps with prefills eagerly (decode steps "
                      "replay CUDA graphs)")
             return decode, None
@@ -236,8 +239,7 @@ class ModelRunner:
         self.profile_run()
         torch.cuda.synchronize(self.device)
         activation_peak = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        if self._graph_skip_reason() is None and self.backend.supports_prefill_graphs:  # the prefill graphs' own
-            # pool holds a forward's activations too
+        if self._captures_prefill_graphs():  # the prefill graphs' own pool holds a forward's activations too
             activation_peak *= 2
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)

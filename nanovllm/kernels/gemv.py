@@ -1,7 +1,7 @@
 """y = x W^T (+ b) for up to 64 rows of x (decode at small batch), where reading W is the whole cost.
 Each program owns BLOCK_N output columns and streams their rows of W once, pipelined; the x rows ride
-along padded to BLOCK_M = 16, 32 or 64 (or, with row_kernel, one row of x on the CUDA cores; bs=1 decode was slower with it on
-the H100, so it is off). With l2_prefetch (experimental, NANOVLLM_GEMV_L2_PREFETCH=1; bs=1 decode within its
+along padded to BLOCK_M = 16, 32 or 64 (or, with row_kernel, one row of x on the CUDA cores; bs=1 decode was
+slower with it on the H100, so it is off). With l2_prefetch (experimental, NANOVLLM_GEMV_L2_PREFETCH=1; bs=1 decode within its
 run-to-run spread, so off), each program first asks L2 for its rows of W, before the PDL wait. Reference:
 F.linear."""
 import os
@@ -20,7 +20,7 @@ from nanovllm.logger import log_once
 MAX_ROWS = 64
 # the linears' GEMV up to this many rows, cuBLAS above: at 17-64 rows it beat cuBLAS at every Qwen3-0.6B shape on
 # the H100 (cuBLAS tiles leave most SMs idle on a 1024-wide output), +3-13% decode at 24-64 sequences
-GEMV_ROWS = int(os.environ.get("NANOVLLM_GEMV_ROWS", str(MAX_ROWS)))
+GEMV_ROWS = min(MAX_ROWS, int(os.environ.get("NANOVLLM_GEMV_ROWS", str(MAX_ROWS))))
 L2_PREFETCH = os.environ.get("NANOVLLM_GEMV_L2_PREFETCH", "0") == "1"
 ROW_KERNEL = os.environ.get("NANOVLLM_GEMV_ROW", "0") == "1"
 
