@@ -531,3 +531,12 @@ def test_rotary_in_place_matches_twin(dtype, qk_norm, shape):
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
     _exact_or_close(got_q, want_q, dtype)
     _exact_or_close(got_k, want_k, dtype)
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "65", ""])
+def test_gemv_rows_setting_rejects_bad_values(value):
+    from nanovllm.kernels.gemv import _gemv_rows
+
+    with pytest.raises(ValueError, match="NANOVLLM_GEMV_ROWS"):
+        _gemv_rows(value)
+    assert _gemv_rows("0") == 0 and _gemv_rows("16") == 16 and _gemv_rows("64") == 64

@@ -20,7 +20,14 @@ from nanovllm.logger import log_once
 MAX_ROWS = 64
 # the linears' GEMV up to this many rows, cuBLAS above: at 17-64 rows it beat cuBLAS at every Qwen3-0.6B shape on
 # the H100 (cuBLAS tiles leave most SMs idle on a 1024-wide output), +3-13% decode at 24-64 sequences
-GEMV_ROWS = min(MAX_ROWS, int(os.environ.get("NANOVLLM_GEMV_ROWS", str(MAX_ROWS))))
+def _gemv_rows(value: str) -> int:
+    """NANOVLLM_GEMV_ROWS: 0 (cuBLAS only) to MAX_ROWS."""
+    if not value.isdigit() or int(value) > MAX_ROWS:
+        raise ValueError(f"NANOVLLM_GEMV_ROWS must be an integer from 0 to {MAX_ROWS}, got {value!r}")
+    return int(value)
+
+
+GEMV_ROWS = _gemv_rows(os.environ.get("NANOVLLM_GEMV_ROWS", str(MAX_ROWS)))
 L2_PREFETCH = os.environ.get("NANOVLLM_GEMV_L2_PREFETCH", "0") == "1"
 ROW_KERNEL = os.environ.get("NANOVLLM_GEMV_ROW", "0") == "1"
 
