@@ -23,7 +23,7 @@ assert os.environ.get("TRITON_INTERPRET") != "1", "compile_check compiles kernel
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nanovllm.attention.metadata import DecodeRope  # noqa: E402
 from nanovllm.kernels.activation import silu_and_mul  # noqa: E402
-from nanovllm.kernels.gemv import gemv, gemv_add_rms_norm  # noqa: E402
+from nanovllm.kernels.gemv import gemv  # noqa: E402
 from nanovllm.kernels.kv_store import store_kv  # noqa: E402
 from nanovllm.kernels.paged_attention import paged_decode, paged_prefill, prefill_tile_tokens, prefill_tiles  # noqa: E402
 from nanovllm.kernels.rms_norm import rms_norm  # noqa: E402
@@ -103,14 +103,6 @@ def launch_everything():
             for n, k_dim in layers if dtype == torch.bfloat16 else ((4096, 1024), (1024, 3072)):
                 for l2_prefetch in (False, True):
                     gemv(torch.randn(rows, k_dim, dtype=dtype), torch.empty(n, k_dim, dtype=dtype), l2_prefetch=l2_prefetch)
-                    if rows == 1:
-                        gemv(torch.randn(1, k_dim, dtype=dtype), torch.empty(n, k_dim, dtype=dtype), l2_prefetch=l2_prefetch,
-                             row_kernel=True)
-                        gemv(torch.randn(1, 2 * k_dim, dtype=dtype), torch.empty(n, k_dim, dtype=dtype),
-                             l2_prefetch=l2_prefetch, row_kernel=True, silu_mul=True)
-                        for residual in (None, torch.randn(1, k_dim, dtype=dtype)):
-                            gemv_add_rms_norm(torch.randn(1, k_dim, dtype=dtype), residual, torch.ones(k_dim, dtype=dtype),
-                                              1e-6, torch.empty(n, k_dim, dtype=dtype), l2_prefetch=l2_prefetch)
         gemv(torch.randn(3, 300, dtype=dtype), torch.randn(33, 300, dtype=dtype), torch.randn(33, dtype=dtype))
         for rows in (24, 64) if dtype == torch.bfloat16 else ():  # 17-64 rows (NANOVLLM_GEMV_ROWS above 16)
             for n, k_dim in layers:

@@ -8,15 +8,16 @@ what=${1:-all}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -s -p no:cacheprovider --durations=15 tests/test_gpu.py tests/test_triton_kernels.py tests/test_layers.py 2>&1 \
+  python3 -m pytest -q -s -p no:cacheprovider --durations=15 tests/test_gpu.py tests/test_triton_kernels.py tests/test_layers.py \
+    tests/test_gemv_one_row.py 2>&1 \
     | grep -v "Loading weights" | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench.py --repeat 3 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -10
   python3 bench.py --max-num-batched-tokens 8192 2>&1 | grep -v INFO | tee "$OUT/bench_throughput_8k.md" | tail -3
   python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO | tee "$OUT/bench_decode1_qwen3.md" | tail -5
-  for flags in NANOVLLM_GEMV_L2_PREFETCH=1 NANOVLLM_GEMV_ROW=1 "NANOVLLM_GEMV_ROW=1 NANOVLLM_GEMV_L2_PREFETCH=1"; do
-    echo "decode1 with $flags (experimental GEMV paths, off by default)"
+  for flags in NANOVLLM_GEMV_L2_PREFETCH=1 NANOVLLM_GEMV_CUDA=0; do
+    echo "decode1 with $flags (the experimental L2 prefetch; the Triton GEMV for one row instead of the CUDA one)"
     env $flags python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO \
       | tee "$OUT/bench_decode1_qwen3_${flags// /_}.md" | tail -1
   done
@@ -28,10 +29,10 @@ if [[ $what == profile ]]; then  # where the time goes: steps, kernels, and the 
   python3 scripts/attention_sweep.py 256 2048 2>&1 | tee "$OUT/attention_sweep.md" | tail -3
   python3 scripts/gemv_sweep.py 2>&1 | tee "$OUT/gemv_sweep.md" | tail -3
 fi
-if [[ $what == gemv ]]; then  # the experimental GEMV paths kernel by kernel: L2 prefetch of W, the CUDA-core row kernel
+if [[ $what == gemv ]]; then  # one-row GEMVs kernel by kernel: L2 prefetch of W, the CUDA one-row kernel
   python3 scripts/gemv_sweep.py l2 2>&1 | tee "$OUT/gemv_l2_prefetch.md" | tail -20
-  python3 scripts/gemv_sweep.py row 2>&1 | tee "$OUT/gemv_row_kernel.md" | tail -11
-  NANOVLLM_GEMV_ROW=1 NANOVLLM_GEMV_L2_PREFETCH=1 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py 2>&1 \
+  python3 scripts/gemv_sweep.py one_row 2>&1 | tee "$OUT/gemv_one_row.md" | tail -11
+  NANOVLLM_GEMV_L2_PREFETCH=1 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py 2>&1 \
     | grep -v "Loading weights" | tee "$OUT/gpu_tests_gemv_experiments.log" | tail -8
 fi
 if [[ $what == peer ]]; then  # after scripts/build_llama_cpp.sh

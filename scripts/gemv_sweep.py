@@ -1,8 +1,8 @@
 """The small-batch GEMV kernel against F.linear (cuBLAS) and HBM bandwidth, at real layer shapes.
-usage: python scripts/gemv_sweep.py [tiles|l2|row]
+usage: python scripts/gemv_sweep.py [tiles|l2|one_row]
 tiles (default): the best of CONFIGS per shape; l2: the shipped tiles without and with the L2 prefetch of W
-before the PDL wait (back to back in one graph, each GEMV's prefetch overlaps the one before); row: one row of x,
-the shipped MMA kernel against the best tiles of the CUDA-core row kernel."""
+before the PDL wait (back to back in one graph, each GEMV's prefetch overlaps the one before); one_row: one row of
+x, the Triton GEMV against the CUDA one-row kernel in each of its modes (back to back in one graph)."""
 import itertools
 import sys
 
@@ -37,36 +37,34 @@ def l2_prefetch_table(bw):
         del weights
 
 
-def row_kernel_table(bw):
-    configs = list(itertools.product((2, 4, 8, 16), (512, 1024, 2048), (1, 3), (4, 8)))
-    print("| shape | shipped gemv us | of bw | best row kernel us | of bw | config (block_n, block_k, stages, warps) |")
-    print("|---|---|---|---|---|---|")
+def one_row_table(bw):
+    from nanovllm.kernels.gemv_one_row import fits, gemv_one_row
+
+    norm_weight = torch.ones(8192, dtype=torch.bfloat16, device="cuda")
+    print("| shape | Triton gemv us | of bw | one-row plain us | of bw | add_norm us | silu_mul us |")
+    print("|---|---|---|---|---|---|---|")
     for name, (n, k) in SHAPES.items():
         nbytes = n * k * 2
         weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies_needed(nbytes))]
-        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-        want = F.linear(x, weights[0])
-        shipped = graph_time([lambda w=w: gemv(x, w) for w in weights])
-        best = (float("inf"), None)
-        for bn, bk, st, wp in configs:
-            launch = dict(block_n=bn, block_k=bk, num_stages=st, num_warps=wp)
-            try:
-                got = gemv(x, weights[0], row_kernel=True, **launch)
-            except Exception:  # out of resources
-                continue
-            torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
-            best = min(best, (graph_time([lambda w=w: gemv(x, w, row_kernel=True, **launch) for w in weights]),
-                              (bn, bk, st, wp)))
-        s, cfg = best
-        print(f"| {name} | {shipped * 1e6:.1f} | {nbytes / shipped / bw:.0%} | {s * 1e6:.1f} | {nbytes / s / bw:.0%} "
-              f"| {cfg} |")
+        if not fits(weights[0]):
+            continue
+        x, gate_up = (torch.randn(1, m * k, dtype=torch.bfloat16, device="cuda") for m in (1, 2))
+        residual = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        torch.testing.assert_close(gemv_one_row(x, weights[0])[0], F.linear(x, weights[0]), atol=2e-2, rtol=2e-2)
+        times = [graph_time([lambda w=w: gemv(x, w) for w in weights]),
+                 graph_time([lambda w=w: gemv_one_row(x, w) for w in weights]),
+                 graph_time([lambda w=w: gemv_one_row(x, w, None, "add_norm", residual, norm_weight[:k], 1e-6)
+                             for w in weights]),
+                 graph_time([lambda w=w: gemv_one_row(gate_up, w, mode="silu_mul") for w in weights])]
+        print(f"| {name} | {times[0] * 1e6:.1f} | {nbytes / times[0] / bw:.0%} | {times[1] * 1e6:.1f} "
+              f"| {nbytes / times[1] / bw:.0%} | {times[2] * 1e6:.1f} | {times[3] * 1e6:.1f} |")
         del weights
 
 
 bw = measure_hbm_bandwidth()
 print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16")
-if sys.argv[1:] in (["l2"], ["row"]):
-    (l2_prefetch_table if sys.argv[1] == "l2" else row_kernel_table)(bw)
+if sys.argv[1:] in (["l2"], ["one_row"]):
+    (l2_prefetch_table if sys.argv[1] == "l2" else one_row_table)(bw)
     sys.exit()
 print("| shape | M | F.linear us | of bw | best gemv us | of bw | speedup | config (block_n, block_k, stages, warps) |")
 print("|---|---|---|---|---|---|---|---|")

@@ -10,7 +10,7 @@ from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.cuda_graph import CUDAGraphRunner, PrefillCUDAGraphRunner, graph_batch_sizes
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kernels import gemv as gemv_kernels
-from nanovllm.kernels import pdl
+from nanovllm.kernels import gemv_one_row, pdl
 from nanovllm.kernels.paged_attention import prefill_tile_tokens, prefill_tiles
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
@@ -176,12 +176,10 @@ class ModelRunner:
             method = CpuPackedLinearMethod
         elif self.fast_kernels and self.dtype != torch.float32:
             log_once(f"CUDA linears: Triton GEMV up to {gemv_kernels.GEMV_ROWS} rows, cuBLAS above")
-            for on, what in ((gemv_kernels.ROW_KERNEL, "NANOVLLM_GEMV_ROW=1: one-row linears run the experimental "
-                              "CUDA-core GEMV with the norm or activation before it fused in"),
-                             (gemv_kernels.L2_PREFETCH, "NANOVLLM_GEMV_L2_PREFETCH=1: GEMVs prefetch their weight "
-                              "rows into L2 before the PDL wait (experimental)")):
-                if on:
-                    log_once(what)
+            if gemv_kernels.L2_PREFETCH:
+                log_once("NANOVLLM_GEMV_L2_PREFETCH=1: GEMVs prefetch their weight rows into L2 before the PDL wait "
+                         "(experimental)")
+            gemv_one_row.why_off(self.device)  # builds the one-row kernel now (not in a graph capture), logs the path
             method = TritonGemvLinearMethod
         else:
             if self.device.type == "cuda":

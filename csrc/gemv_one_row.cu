@@ -1,0 +1,258 @@
+// y = x W^T (+ b) for ONE row of x (bs=1 decode), Hopper (sm_90) and newer.
+//
+// Why a CUDA kernel: at one row the GEMV is a pure weight stream, and a Qwen3-0.6B layer's four weights
+// (4-13 MB each) are too small for a kernel to reach HBM speed between its launch ramp and its tail. The weight
+// does not depend on the kernel before, so each CTA copies its whole slice of W into shared memory (bulk async
+// copies) BEFORE the programmatic-dependent-launch wait, and lets the next kernel launch at once. Under PDL the
+// next kernels' CTAs sit beside this one's (each takes <= 110 KB of shared memory and few registers) and stream
+// their weights while this one waits and multiplies: on the H100, 28 kernels that only load 8.4 MB each this way
+// ran at 3.0 TB/s in a graph, 1.9 without PDL (Triton cannot express this: its loads land in registers and its
+// pipelines start after the wait). The critical path after the wait is kept short: one round trip for the input
+// row, the fused operation once per CTA into shared memory, and warps that own whole rows of W, so that lane 0
+// writes each output.
+//
+// Each CTA owns rows_per_cta consecutive rows of W (contiguous [N, K]). The fused operation in front of the
+// product, rounded where the torch twins round:
+//   MODE_PLAIN     x
+//   MODE_ADD_NORM  RMSNorm(x + residual) * norm_w; CTA 0 writes x + residual to res_out (the next residual)
+//   MODE_SILU_MUL  silu(gate) * up, x being the stacked [gate | up] row (2K long)
+// Reference: F.linear after layers.layernorm.rms_norm / layers.activation.SiluAndMul (nanovllm/kernels/gemv_one_row.py).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int kThreads = 128;  // bs=1 decode on the H100, one CTA a SM: 963-965 tok/s with 128, 893-899 with 256
+constexpr int kWarps = kThreads / 32;
+constexpr int kChunks = 4;  // W's slice arrives in this many pieces, so multiplying can start on the first
+constexpr int kMaxK = 4096;
+constexpr int kMaxShare = kMaxK / 8 / kThreads;
+
+enum Mode { MODE_PLAIN = 0, MODE_ADD_NORM = 1, MODE_SILU_MUL = 2 };
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+template <typename T> __device__ __forceinline__ float round_to(float v) { return to_float(from_float<T>(v)); }
+
+// 8 values of T in 16 bytes
+template <typename T> union Pack {
+  uint4 bits;
+  T v[8];
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void wait_for_bytes(uint64_t* bar) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(smem_addr(bar)) : "memory");
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Thread 0 starts the bulk copies of the CTA's slice of W, chunk c completing arrived[c].
+template <typename T>
+__device__ void start_weight_copies(T* ws, const T* slice, int rows, int K, uint64_t* arrived) {
+  for (int c = 0; c < kChunks; ++c)
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&arrived[c])) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  for (int c = 0; c < kChunks; ++c) {
+    const int r0 = rows * c / kChunks, r1 = rows * (c + 1) / kChunks;
+    const uint32_t bar = smem_addr(&arrived[c]);
+    if (r1 == r0) {  // an empty chunk: complete its barrier with a plain arrive
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+      continue;
+    }
+    const uint32_t bytes = static_cast<uint32_t>((r1 - r0) * K * sizeof(T));
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(smem_addr(ws + static_cast<size_t>(r0) * K)), "l"(slice + static_cast<size_t>(r0) * K),
+                 "r"(bytes), "r"(bar) : "memory");
+  }
+}
+
+// Thread t's share of the input row: 16-byte vectors t, t + kThreads, ... (kMaxShare at most: K <= kMaxK).
+// Rows that the kernels before wrote are read through L2 only (ld.global.cg): under PDL this kernel starts while
+// they run, so this SM's L1 may still hold an older row at a reused address (seen on the H100: a graph of
+// one-row GEMVs replayed with stale inputs when the reads went through L1's non-coherent path).
+template <typename T, bool WRITTEN_BEFORE>
+__device__ __forceinline__ void load_share(Pack<T> (&out)[kMaxShare], const T* row, int K) {
+#pragma unroll
+  for (int i = 0; i < kMaxShare; ++i) {
+    const int v = threadIdx.x + kThreads * i;
+    const uint4* src = reinterpret_cast<const uint4*>(row) + v;
+    out[i].bits = v >= K / 8 ? make_uint4(0, 0, 0, 0) : WRITTEN_BEFORE ? __ldcg(src) : *src;
+  }
+}
+
+// The input row after the fused operation, into xs (shared memory), each thread on its share: once per CTA, not
+// once per warp (every warp redoing the SiLU of a 3072-long row cost microseconds), and through shared memory, so
+// that a thread holds no copy of the row in registers (fewer registers: more CTAs of the next kernels fit beside).
+template <typename T, int MODE>
+__device__ void stage_input(T* xs, float* warp_squares, const Pack<T> (&scale)[kMaxShare], const T* x,
+                            const T* residual, T* res_out, int K, float eps) {
+  Pack<T> a[kMaxShare], b[kMaxShare];
+  load_share<T, true>(a, x, K);
+  if constexpr (MODE == MODE_SILU_MUL) load_share<T, true>(b, x + K, K);
+  if constexpr (MODE == MODE_ADD_NORM)
+    if (residual != nullptr) load_share<T, true>(b, residual, K);
+  float squares = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxShare; ++i) {
+    const int v = threadIdx.x + kThreads * i;
+    if (v >= K / 8) break;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      if constexpr (MODE == MODE_SILU_MUL) {
+        const float gate = to_float(a[i].v[e]);
+        a[i].v[e] = from_float<T>(round_to<T>(gate / (1.f + expf(-gate))) * to_float(b[i].v[e]));
+      } else if (MODE == MODE_ADD_NORM) {
+        if (residual != nullptr) a[i].v[e] = from_float<T>(to_float(a[i].v[e]) + to_float(b[i].v[e]));
+        squares += to_float(a[i].v[e]) * to_float(a[i].v[e]);
+      }
+    }
+    if (MODE == MODE_ADD_NORM && res_out != nullptr) reinterpret_cast<uint4*>(res_out)[v] = a[i].bits;
+    if (MODE != MODE_ADD_NORM) reinterpret_cast<uint4*>(xs)[v] = a[i].bits;
+  }
+  if constexpr (MODE == MODE_ADD_NORM) {
+    squares = warp_sum(squares);
+    if (threadIdx.x % 32 == 0) warp_squares[threadIdx.x / 32] = squares;
+    __syncthreads();
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += warp_squares[w];
+    const float inv_rms = rsqrtf(total / K + eps);
+#pragma unroll
+    for (int i = 0; i < kMaxShare; ++i) {
+      const int v = threadIdx.x + kThreads * i;
+      if (v >= K / 8) break;
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        a[i].v[e] = from_float<T>(to_float(scale[i].v[e]) * round_to<T>(to_float(a[i].v[e]) * inv_rms));
+      reinterpret_cast<uint4*>(xs)[v] = a[i].bits;
+    }
+  }
+  __syncthreads();
+}
+
+template <typename T>
+__device__ __forceinline__ float dot_row(const T* wrow, const T* xs, int K) {
+  float acc = 0.f;
+#pragma unroll 4
+  for (int v = threadIdx.x % 32; v < K / 8; v += 32) {
+    Pack<T> w, x;
+    w.bits = reinterpret_cast<const uint4*>(wrow)[v];
+    x.bits = reinterpret_cast<const uint4*>(xs)[v];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc += to_float(w.v[e]) * to_float(x.v[e]);
+  }
+  return warp_sum(acc);
+}
+
+template <typename T, int MODE>
+__global__ void __launch_bounds__(kThreads) gemv_one_row_kernel(
+    const T* x, const T* __restrict__ w, const T* __restrict__ bias, T* y, const T* residual,
+    const T* __restrict__ norm_w, T* res_out, int N, int K, int rows_per_cta, float eps) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) uint64_t arrived[kChunks];
+  __shared__ float warp_squares[kWarps];
+  T* ws = reinterpret_cast<T*>(smem);  // [rows_per_cta, K], then the fused input row [K]
+  T* xs = ws + static_cast<size_t>(rows_per_cta) * K;
+  const int row0 = blockIdx.x * rows_per_cta;
+  const int rows = min(rows_per_cta, N - row0);
+  if (threadIdx.x == 0) start_weight_copies(ws, w + static_cast<size_t>(row0) * K, rows, K, arrived);
+  Pack<T> scale[kMaxShare];  // the norm's weight: read before the wait, like W
+  if constexpr (MODE == MODE_ADD_NORM) load_share<T, false>(scale, norm_w, K);
+  __syncthreads();  // the barriers are initialized before any thread waits on them
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the input row is the kernel before's output
+#endif
+  stage_input<T, MODE>(xs, warp_squares, scale, x, residual, blockIdx.x == 0 ? res_out : nullptr, K, eps);
+  int ready = 0;  // chunks this warp has waited for
+  for (int r = threadIdx.x / 32; r < rows; r += kWarps) {
+    while (rows * ready / kChunks <= r) wait_for_bytes(&arrived[ready++]);
+    const float acc = dot_row(ws + static_cast<size_t>(r) * K, xs, K);
+    if (threadIdx.x % 32 == 0) y[row0 + r] = from_float<T>(bias != nullptr ? acc + to_float(bias[row0 + r]) : acc);
+  }
+}
+
+template <typename T, int MODE>
+cudaError_t launch(const void* x, const void* w, const void* bias, void* y, const void* residual,
+                   const void* norm_w, void* res_out, int N, int K, int rows_per_cta, float eps, int pdl,
+                   cudaStream_t stream) {
+  const size_t smem = static_cast<size_t>(rows_per_cta + 1) * K * sizeof(T);
+  static size_t smem_allowed = 0;  // raised once per instance, to the largest asked so far
+  if (smem > smem_allowed) {
+    cudaError_t err = cudaFuncSetAttribute(gemv_one_row_kernel<T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+    // all of the SM's shared memory rather than L1, so the next GEMVs' CTAs find room beside this one's
+    err = cudaFuncSetAttribute(gemv_one_row_kernel<T, MODE>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+    if (err != cudaSuccess) return err;
+    smem_allowed = smem;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((N + rows_per_cta - 1) / rows_per_cta);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, gemv_one_row_kernel<T, MODE>, static_cast<const T*>(x), static_cast<const T*>(w),
+                            static_cast<const T*>(bias), static_cast<T*>(y), static_cast<const T*>(residual),
+                            static_cast<const T*>(norm_w), static_cast<T*>(res_out), N, K, rows_per_cta, eps);
+}
+
+template <typename T>
+cudaError_t launch_for_mode(const void* x, const void* w, const void* bias, void* y, const void* residual,
+                            const void* norm_w, void* res_out, int N, int K, int rows_per_cta, float eps, int mode,
+                            int pdl, cudaStream_t stream) {
+  switch (mode) {
+    case MODE_PLAIN:
+      return launch<T, MODE_PLAIN>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
+    case MODE_ADD_NORM:
+      return launch<T, MODE_ADD_NORM>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl,
+                                            stream);
+    case MODE_SILU_MUL:
+      return launch<T, MODE_SILU_MUL>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl,
+                                            stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+extern "C" {
+
+// dtype: 0 bfloat16, 1 float16; K <= kMaxK, a multiple of 8. Pointers a mode does not use may be null; res_out
+// null: the residual sum is not written. Returns a cudaError_t.
+int nanovllm_gemv_one_row(int dtype, const void* x, const void* w, const void* bias, void* y, const void* residual,
+                          const void* norm_w, void* res_out, int N, int K, int rows_per_cta, float eps, int mode,
+                          int pdl, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (dtype == 0)
+    return launch_for_mode<__nv_bfloat16>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, mode,
+                                          pdl, s);
+  return launch_for_mode<__half>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, mode, pdl, s);
+}
+
+const char* nanovllm_cuda_error_string(int error) { return cudaGetErrorString(static_cast<cudaError_t>(error)); }
+
+}  // extern "C"
