@@ -74,10 +74,8 @@ def _find_reason(device: torch.device) -> str | None:
     global _library
     if os.environ.get("NANOVLLM_GEMV_CUDA", "1") == "0":
         return "NANOVLLM_GEMV_CUDA=0"
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
-        return "no CUDA GPU"
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        return "the GPU predates Hopper"
+    if (reason := pdl.not_hopper(device)) is not None:
+        return reason
     if not SOURCE.exists():
         return f"{SOURCE} is missing"
     nvcc = _nvcc()

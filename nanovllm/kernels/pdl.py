@@ -35,14 +35,21 @@ def wait_then_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-def why_off(device: torch.device) -> str | None:
-    """None when PDL can run on this device, else the reason it does not."""
-    if os.environ.get("NANOVLLM_PDL", "1") == "0":
-        return "NANOVLLM_PDL=0"
+def not_hopper(device: torch.device) -> str | None:
+    """None on an NVIDIA GPU of Hopper or newer (compiled kernels run there), else what it is instead."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or torch.version.hip:
         return "no CUDA GPU"
     if torch.cuda.get_device_capability(device)[0] < 9:
         return "the GPU predates Hopper"
+    return None
+
+
+def why_off(device: torch.device) -> str | None:
+    """None when PDL can run on this device, else the reason it does not."""
+    if os.environ.get("NANOVLLM_PDL", "1") == "0":
+        return "NANOVLLM_PDL=0"
+    if (reason := not_hopper(device)) is not None:
+        return reason
     if not HAS_GDC:
         return f"Triton {triton.__version__} has no griddepcontrol"
     return None
