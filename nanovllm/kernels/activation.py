@@ -9,7 +9,7 @@ from nanovllm.kernels.rounding import round_to
 
 @triton.jit
 def silu_mul(gate, up):
-    """silu(gate) * up in their dtype, rounding where the twin rounds (also inlined by the one-row GEMV)."""
+    """silu(gate) * up in their dtype, rounding where the twin rounds."""
     g32 = gate.to(tl.float32)
     act = round_to(g32 / (1.0 + tl.exp(-g32)), gate.dtype)
     return (act * up.to(tl.float32)).to(gate.dtype)
