@@ -50,8 +50,11 @@ class FlashAttnBackend(AttentionBackend):
         if meta.num_decodes == meta.num_seqs:
             return self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
                                       block_table=meta.block_tables, softmax_scale=scale, causal=True).squeeze(1)
-        cu_seqlens_k = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=q.device)
-        torch.cumsum(meta.seq_lens, 0, out=cu_seqlens_k[1:])
-        return self._varlen(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=cu_seqlens_k,
+        if "cu_seqlens_k" not in meta.scratch:  # the same for every layer of this step
+            cu_seqlens_k = torch.zeros(meta.num_seqs + 1, dtype=torch.int32, device=q.device)
+            torch.cumsum(meta.seq_lens, 0, out=cu_seqlens_k[1:])
+            meta.scratch["cu_seqlens_k"] = cu_seqlens_k
+        return self._varlen(q, k_cache, v_cache, cu_seqlens_q=meta.query_start_loc,
+                            cu_seqlens_k=meta.scratch["cu_seqlens_k"],
                             max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_seq_len, softmax_scale=scale,
                             causal=True, block_table=meta.block_tables)
