@@ -6,6 +6,7 @@ import subprocess
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import kernel_tol
 
 from nanovllm.kernels import gemv_one_row as one_row
 from nanovllm.layers.activation import SiluAndMul
@@ -13,10 +14,6 @@ from nanovllm.layers.layernorm import RMSNorm
 
 # Qwen3-0.6B's four layer shapes, then tails: N not a multiple of the SM count, chunks of 0-1 rows, long K
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (40, 96), (333, 264), (131, 1032), (7, 4096)]
-
-
-def _tol(dtype):
-    return dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-3, rtol=2e-3)
 
 
 def _inputs(n, k, dtype, seed, x_len=None):
@@ -34,7 +31,7 @@ def test_plain_matches_linear(n, k, dtype, bias):
     b = b if bias else None
     got, _ = one_row.gemv_one_row(x, w, b)
     torch.testing.assert_close(got.float(), F.linear(x.float(), w.float(), None if b is None else b.float()),
-                               **_tol(dtype))
+                               **kernel_tol(dtype))
     assert torch.equal(got, one_row.gemv_one_row(x, w, b)[0])  # deterministic: fixed summation order
     out = torch.full((1, n), float("nan"), dtype=dtype, device="cuda")
     assert one_row.gemv_one_row(x, w, b, out=out)[0] is out and torch.equal(out, got)
@@ -54,7 +51,7 @@ def test_add_norm_matches_rms_norm_then_linear(n, k, dtype, with_residual):
     else:
         normed, want_residual, residual = norm.forward_native(x), x, None
     got, got_residual = one_row.gemv_one_row(x, w, None, "add_norm", residual, norm.weight, norm.eps)
-    torch.testing.assert_close(got.float(), F.linear(normed.float(), w.float()), **_tol(dtype))
+    torch.testing.assert_close(got.float(), F.linear(normed.float(), w.float()), **kernel_tol(dtype))
     assert torch.equal(got_residual, want_residual)
 
 
@@ -65,7 +62,7 @@ def test_silu_mul_matches_silu_and_mul_then_linear(n, k, dtype):
     gate_up, w, _ = _inputs(n, k, dtype, 5, x_len=2 * k)
     got, _ = one_row.gemv_one_row(gate_up, w, mode="silu_mul")
     want = F.linear(SiluAndMul().forward_native(gate_up).float(), w.float())
-    torch.testing.assert_close(got.float(), want, **_tol(dtype))
+    torch.testing.assert_close(got.float(), want, **kernel_tol(dtype))
 
 
 @pytest.mark.gpu
@@ -129,7 +126,7 @@ def test_norm_then_project_fuses_one_row_on_the_gpu_only(with_residual):
         fused = proj.linear_method.apply_add_rms_norm(proj, x, residual, norm)
         assert (fused is not None) == (device == "cuda" and rows == 1)
         got, got_residual = _norm_then_project(norm, proj, x, residual)
-        torch.testing.assert_close(got.float(), F.linear(normed.float(), proj.weight.float()), **_tol(dtype))
+        torch.testing.assert_close(got.float(), F.linear(normed.float(), proj.weight.float()), **kernel_tol(dtype))
         assert torch.equal(got_residual, want_residual)
 
 
@@ -152,7 +149,7 @@ def test_mlp_fuses_silu_and_mul_into_down_for_one_row_on_the_gpu_only():
         x = torch.randn(rows, 256, device=device, dtype=dtype)
         fused = mlp.down_proj.linear_method.apply_silu_and_mul(mlp.down_proj, mlp.gate_up_proj(x))
         assert (fused is not None) == (device == "cuda" and rows == 1)
-        torch.testing.assert_close(mlp(x).float(), native(x).float(), **_tol(dtype))
+        torch.testing.assert_close(mlp(x).float(), native(x).float(), **kernel_tol(dtype))
 
 
 def test_off_without_a_gpu_says_why():

@@ -5,6 +5,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from helpers import kernel_tol
 
 from nanovllm.attention.torch_backend import context_slots, decode_reference, prefill_reference, store_kv_reference
 from nanovllm.engine.cuda_graph import graph_batch_sizes, max_prefill_tiles, prefill_graph_sizes
@@ -32,10 +33,6 @@ def _paged_cache(seq_lens, page, kv_heads, head_dim, dtype, g):
         k_cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
         v_cache.view(-1, kv_heads, head_dim)[slots] = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
     return k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE)
-
-
-def _tol(dtype):
-    return dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-3, rtol=2e-3)
 
 
 CASES_CPU = [  # (seq_lens, page, heads, kv_heads, head_dim)
@@ -66,7 +63,7 @@ def test_paged_decode_matches_reference(case, dtype, num_splits):
     paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, num_splits, out=out)
     want = decode_reference(q.float(), k_cache.float(), v_cache.float(),
                             *context_slots(tables, lens, max(seq_lens), page), head_dim ** -0.5)
-    torch.testing.assert_close(out.float(), want, **_tol(dtype))
+    torch.testing.assert_close(out.float(), want, **kernel_tol(dtype))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -90,7 +87,7 @@ def test_paged_decode_storing_the_new_token_matches_store_then_decode(case, dtyp
     cache_before = (k_cache.clone(), v_cache.clone())
     flat_k[slots], flat_v[slots] = float("nan"), float("nan")
     got = paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, num_splits, new_kv=(k_new, v_new, slots))
-    torch.testing.assert_close(got.float(), want, **_tol(dtype))
+    torch.testing.assert_close(got.float(), want, **kernel_tol(dtype))
     assert torch.equal(k_cache.nan_to_num(7.0), cache_before[0].nan_to_num(7.0))
     assert torch.equal(v_cache.nan_to_num(7.0), cache_before[1].nan_to_num(7.0))
 
@@ -140,7 +137,7 @@ def test_paged_decode_rotating_q_and_k_matches_rotary_then_decode(case, dtype, n
     fused = DecodeRope(cos, sin, norms[0].weight if qk_norm else None, norms[1].weight if qk_norm else None, 1e-6)
     got = paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, num_splits, new_kv=(k, v, slots),
                        rope=fused)
-    torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+    torch.testing.assert_close(got.float(), want.float(), **kernel_tol(dtype))
     _exact_or_close(k_cache.view(-1, kv_heads, head_dim)[slots], want_k, dtype)
     assert torch.equal(v_cache.nan_to_num(7.0), want_caches[1].nan_to_num(7.0))
 
@@ -186,7 +183,7 @@ def test_triton_backend_matches_torch_backend(step):
     caches = (k_cache.clone(), v_cache.clone())
     want = TorchAttentionBackend().forward(q, k, v, caches[0], caches[1], meta, head_dim ** -0.5)
     got = TritonAttentionBackend(2048).forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
-    torch.testing.assert_close(got, want, **_tol(torch.float32))
+    torch.testing.assert_close(got, want, **kernel_tol(torch.float32))
     assert torch.equal(k_cache.nan_to_num(7.0), caches[0].nan_to_num(7.0))
     assert torch.equal(v_cache.nan_to_num(7.0), caches[1].nan_to_num(7.0))
 
@@ -219,7 +216,7 @@ def test_qwen3_attention_on_triton_matches_torch_backend(step):
         assert layer.attn.rotates_in_kernel(meta) == (backend.rotates_decode and step == "decode")
         outputs.append(layer(positions, qkv.clone(), meta))
         caches.append((layer.attn.k_cache, layer.attn.v_cache))
-    torch.testing.assert_close(outputs[1], outputs[0], **_tol(torch.float32))
+    torch.testing.assert_close(outputs[1], outputs[0], **kernel_tol(torch.float32))
     for got, want in zip(caches[1], caches[0]):
         torch.testing.assert_close(got.nan_to_num(7.0), want.nan_to_num(7.0), atol=1e-5, rtol=1e-5)
 
@@ -279,7 +276,7 @@ def test_paged_prefill_with_cached_prefix_matches_reference(case, dtype):
             from nanovllm.attention.torch_backend import gather_context
             kk, vv = (gather_context(c.float(), tables[i], n) for c in (k_cache, v_cache))
             want = prefill_reference(q[s:e].float(), kk, vv, None, None, None, n, head_dim ** -0.5)
-        torch.testing.assert_close(out[s:e].float(), want, **_tol(dtype))
+        torch.testing.assert_close(out[s:e].float(), want, **kernel_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -329,11 +326,11 @@ def test_gemv_matches_linear(rows, n, k, dtype, bias):
     x, w, b = (torch.randn(*shape, generator=g).to(dtype).to(DEVICE) for shape in ((rows, k), (n, k), (n,)))
     b = b if bias else None
     want = gemv_reference(x.float(), w.float(), None if b is None else b.float())
-    torch.testing.assert_close(gemv(x, w, b).float(), want, **_tol(dtype))
+    torch.testing.assert_close(gemv(x, w, b).float(), want, **kernel_tol(dtype))
     out = torch.full((rows, n), float("nan"), dtype=dtype, device=DEVICE)  # a CUDA graph's static output
     assert gemv(x, w, b, out=out) is out and torch.equal(out, gemv(x, w, b))
     tiles = dict(block_n=16, block_k=64, num_stages=2, num_warps=4)  # K and N tails that the default tiles cover
-    torch.testing.assert_close(gemv(x, w, b, **tiles).float(), want, **_tol(dtype))
+    torch.testing.assert_close(gemv(x, w, b, **tiles).float(), want, **kernel_tol(dtype))
     if DEVICE == "cuda":  # the L2 prefetch before the PDL wait (compiled only under PDL) changes no value
         assert torch.equal(gemv(x, w, b, l2_prefetch=True), gemv(x, w, b, l2_prefetch=False))
 
