@@ -17,14 +17,14 @@ from nanovllm.logger import log_once
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "gemv_one_row.cu"
 NVCC_FLAGS = ["-O3", "-shared", "-Xcompiler", "-fPIC", "-gencode", "arch=compute_90,code=sm_90"]
-# a CTA's shared memory: its slice of W plus the staged input row; two CTAs of consecutive GEMVs must fit on one
-# SM (228 KB) so that the second streams its weight while the first runs
+# a CTA's shared memory at most: its slice of W plus the staged input row (at most 55 KB for Qwen3-0.6B's layers,
+# two CTAs a SM each). Set when a GEMV had one CTA a SM, so that the next GEMV's fit beside it on the SM (228 KB)
 SMEM_LIMIT = 110 * 1024
 MODES = {"plain": 0, "add_norm": 1, "silu_mul": 2}
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 # CTAs of one GEMV per SM: bs=1 decode of Qwen3-0.6B on the H100 ran 963 tok/s with 1, 1,038 with 2, 1,014 with 4
 CTAS_PER_SM = 2
-MAX_K = 4096  # the input row lives in registers: 16 bytes a lane per 256 elements
+MAX_K = 4096  # kMaxK of the .cu: each thread holds its share of the staged input row in registers
 
 _library: ctypes.CDLL | None = None
 _why_off: dict[str, str | None] = {}
