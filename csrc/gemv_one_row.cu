@@ -17,12 +17,11 @@
 //   MODE_ADD_NORM  RMSNorm(x + residual) * norm_w; CTA 0 writes x + residual to res_out (the next residual)
 //   MODE_SILU_MUL  silu(gate) * up, x being the stacked [gate | up] row (2K long)
 // Reference: F.linear after layers.layernorm.rms_norm / layers.activation.SiluAndMul (nanovllm/kernels/gemv_one_row.py).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#include <stdint.h>
+#include "common.cuh"
 
 namespace {
+
+using namespace nanovllm;
 
 constexpr int kThreads = 128;  // bs=1 decode on the H100, one CTA a SM: 963-965 tok/s with 128, 893-899 with 256
 constexpr int kWarps = kThreads / 32;
@@ -32,34 +31,12 @@ constexpr int kMaxShare = kMaxK / 8 / kThreads;
 
 enum Mode { MODE_PLAIN = 0, MODE_ADD_NORM = 1, MODE_SILU_MUL = 2 };
 
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-template <typename T> __device__ __forceinline__ T from_float(float v);
-template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
-template <typename T> __device__ __forceinline__ float round_to(float v) { return to_float(from_float<T>(v)); }
-
-// 8 values of T in 16 bytes
-template <typename T> union Pack {
-  uint4 bits;
-  T v[8];
-};
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ void wait_for_bytes(uint64_t* bar) {
   uint32_t done = 0;
   while (!done) {
     asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
                  : "=r"(done) : "r"(smem_addr(bar)) : "memory");
   }
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
 }
 
 // Thread 0 starts the bulk copies of the CTA's slice of W, chunk c completing arrived[c].
@@ -176,10 +153,7 @@ __global__ void __launch_bounds__(kThreads) gemv_one_row_kernel(
   Pack<T> scale[kMaxShare];  // the norm's weight: read before the wait, like W
   if constexpr (MODE == MODE_ADD_NORM) load_share<T, false>(scale, norm_w, K);
   __syncthreads();  // the barriers are initialized before any thread waits on them
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the input row is the kernel before's output
-#endif
+  release_then_wait();  // the input row is the kernel before's output
   stage_input<T, MODE>(xs, warp_squares, scale, x, residual, blockIdx.x == 0 ? res_out : nullptr, K, eps);
   int ready = 0;  // chunks this warp has waited for
   for (int r = threadIdx.x / 32; r < rows; r += kWarps) {
@@ -210,9 +184,7 @@ cudaError_t launch(const void* x, const void* w, const void* bias, void* y, cons
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute = pdl_attribute();
   config.attrs = &attribute;
   config.numAttrs = pdl ? 1 : 0;
   return cudaLaunchKernelEx(&config, gemv_one_row_kernel<T, MODE>, static_cast<const T*>(x), static_cast<const T*>(w),
@@ -252,7 +224,5 @@ int nanovllm_gemv_one_row(int dtype, const void* x, const void* w, const void* b
                                           pdl, s);
   return launch_for_mode<__half>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, mode, pdl, s);
 }
-
-const char* nanovllm_cuda_error_string(int error) { return cudaGetErrorString(static_cast<cudaError_t>(error)); }
 
 }  // extern "C"

@@ -9,15 +9,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -s -p no:cacheprovider --durations=15 tests/test_gpu.py tests/test_triton_kernels.py tests/test_layers.py \
-    tests/test_gemv_one_row.py 2>&1 \
+    tests/test_gemv_one_row.py tests/test_paged_decode_cluster.py tests/test_cuda_library.py 2>&1 \
     | grep -v "Loading weights" | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench.py --repeat 3 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -10
   python3 bench.py --max-num-batched-tokens 8192 2>&1 | grep -v INFO | tee "$OUT/bench_throughput_8k.md" | tail -3
   python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO | tee "$OUT/bench_decode1_qwen3.md" | tail -5
-  for flags in NANOVLLM_GEMV_L2_PREFETCH=1 NANOVLLM_GEMV_CUDA=0; do
-    echo "decode1 with $flags (the experimental L2 prefetch; the Triton GEMV for one row instead of the CUDA one)"
+  for flags in NANOVLLM_GEMV_L2_PREFETCH=1 NANOVLLM_GEMV_CUDA=0 NANOVLLM_DECODE_CUDA=0; do
+    echo "decode1 with $flags (the experimental L2 prefetch; the Triton GEMV / decode attention instead of the CUDA one)"
     env $flags python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO \
       | tee "$OUT/bench_decode1_qwen3_${flags// /_}.md" | tail -1
   done

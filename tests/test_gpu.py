@@ -25,12 +25,14 @@ def _prompts(n=8):
     return [torch.randint(3, 4096, (int(k),), generator=g).tolist() for k in torch.randint(5, 300, (n,), generator=g)]
 
 
-def _agreement(small_model, dtype, new_tokens=32):
-    """(free-running, teacher-forced) agreement of our greedy tokens with HF's on the same weights.
+def _agreement(small_model, dtype, new_tokens=32, max_num_seqs=256):
+    """(free-running, teacher-forced) agreement of our greedy tokens with HF's on the same weights
+    (max_num_seqs=1: one sequence at a time, the bs=1 decode kernels).
     Free-running: tokens before each prompt's first divergence (one bf16 near-tie ends a prompt's count).
     Teacher-forced: positions where our token is HF's argmax given the same preceding tokens (ours)."""
     hf = AutoModelForCausalLM.from_pretrained(small_model, dtype=dtype).cuda().eval()
-    llm = LLM(small_model, device="cuda", dtype=dtype, max_model_len=1024, gpu_memory_utilization=0.5)
+    llm = LLM(small_model, device="cuda", dtype=dtype, max_model_len=1024, gpu_memory_utilization=0.5,
+              max_num_seqs=max_num_seqs)
     prompts = _prompts()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens), use_tqdm=False)
@@ -62,10 +64,11 @@ def test_fp32_identical_to_hf_on_cuda(small_model):
     assert free == 1.0 and forced >= 0.99  # HF's own full-sequence and incremental logits differ at fp32 rounding
 
 
-def test_bf16_agreement_with_hf_on_cuda(small_model):
-    free, forced = _agreement(small_model, torch.bfloat16)
-    print(f"\nbf16 greedy agreement with HF: {free:.1%} of tokens before the first divergence, {forced:.1%} of "
-          "positions teacher-forced")
+@pytest.mark.parametrize("max_num_seqs", [256, 1])
+def test_bf16_agreement_with_hf_on_cuda(small_model, max_num_seqs):
+    free, forced = _agreement(small_model, torch.bfloat16, max_num_seqs=max_num_seqs)
+    print(f"\nbf16 greedy agreement with HF (max_num_seqs={max_num_seqs}): {free:.1%} of tokens before the first "
+          f"divergence, {forced:.1%} of positions teacher-forced")
     # bf16 near-ties flip single positions; a real error (wrong attention, rope, weights) picks tokens that are
     # far from HF's argmax at most positions
     assert forced >= 0.8
@@ -80,13 +83,14 @@ def test_gpu_kv_cache_sized_from_free_memory(small_model):
         LLM(small_model, device="cuda", gpu_memory_utilization=0.0001)
 
 
-def test_cuda_graphs_match_eager(small_model):
+@pytest.mark.parametrize("max_num_seqs", [256, 1])  # 1: every decode step runs the bs=1 kernels
+def test_cuda_graphs_match_eager(small_model, max_num_seqs):
     prompts = [{"prompt_token_ids": p} for p in _prompts(12)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     outs = []
     for eager in (False, True):
         llm = LLM(small_model, device="cuda", dtype=torch.bfloat16, max_model_len=1024, gpu_memory_utilization=0.3,
-                  enforce_eager=eager)
+                  enforce_eager=eager, max_num_seqs=max_num_seqs)
         runner = llm.llm_engine.model_runner
         assert (runner.graphs is None) == eager and (runner.prefill_graphs is None) == eager
         replays = []

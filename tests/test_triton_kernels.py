@@ -182,7 +182,7 @@ def test_triton_backend_matches_torch_backend(step):
     v = qkv[:, (heads + kv_heads) * head_dim:].view(T, kv_heads, head_dim)
     caches = (k_cache.clone(), v_cache.clone())
     want = TorchAttentionBackend().forward(q, k, v, caches[0], caches[1], meta, head_dim ** -0.5)
-    got = TritonAttentionBackend(2048).forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
+    got = TritonAttentionBackend(2048, torch.device(DEVICE)).forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
     torch.testing.assert_close(got, want, **kernel_tol(torch.float32))
     assert torch.equal(k_cache.nan_to_num(7.0), caches[0].nan_to_num(7.0))
     assert torch.equal(v_cache.nan_to_num(7.0), caches[1].nan_to_num(7.0))
@@ -211,7 +211,7 @@ def test_qwen3_attention_on_triton_matches_torch_backend(step):
     positions = torch.cat([torch.arange(n - m, n) for n, m in zip(meta.seq_lens_cpu, new)]).to(DEVICE)
     qkv = torch.randn(sum(new), (4 + 2 * 2) * 32, generator=g).to(DEVICE)
     outputs, caches = [], []
-    for backend in (TorchAttentionBackend(), TritonAttentionBackend(2048)):
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend(2048, torch.device(DEVICE))):
         layer.attn.backend, layer.attn.k_cache, layer.attn.v_cache = backend, k_cache.clone(), v_cache.clone()
         assert layer.attn.rotates_in_kernel(meta) == (backend.rotates_decode and step == "decode")
         outputs.append(layer(positions, qkv.clone(), meta))

@@ -1,3 +1,5 @@
+import torch
+
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.logger import log_once
 
@@ -40,7 +42,7 @@ def get_attention_backend(name: str | None, device: str, max_model_len: int, blo
     if name == "triton":
         from nanovllm.attention.triton_backend import TritonAttentionBackend
 
-        backend = TritonAttentionBackend(max_model_len)
+        backend = TritonAttentionBackend(max_model_len, torch.device(device))
     elif name == "flash_attn":
         from nanovllm.attention.flash_attn_backend import FlashAttnBackend
 

@@ -1,11 +1,15 @@
 """The GPU default: Triton paged attention (split-K decode that also stores the step's K/V; KV store, then
-varlen prefill over a cached prefix)."""
+varlen prefill over a cached prefix), and a CUDA decode kernel (kernels.paged_decode_cluster) for decode steps of at most
+4 sequences where max_model_len fits its shared memory."""
+import torch
+
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.torch_backend import TorchAttentionBackend
-from nanovllm.kernels import num_sms
+from nanovllm.kernels import num_sms, paged_decode_cluster
 from nanovllm.kernels.kv_store import store_kv
 from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode, paged_prefill
+from nanovllm.logger import log_once
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -13,14 +17,26 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
     rotates_decode = True  # the decode kernel applies rotary (and q/k norms): one kernel fewer a layer
 
-    def __init__(self, max_model_len: int):
+    def __init__(self, max_model_len: int, device: torch.device):
         self.max_model_len = max_model_len
+        self.cluster_cap = None  # the CUDA decode kernel's capacity, where it runs
+        if paged_decode_cluster.why_off(device) is None:  # builds it now (never in a graph capture), logs it
+            if paged_decode_cluster.holds_context(max_model_len):
+                self.cluster_cap = paged_decode_cluster.capacity(max_model_len)
+            else:
+                log_once(f"decode steps of few sequences run the Triton kernels: max_model_len={max_model_len} is "
+                         f"over the {paged_decode_cluster.CLUSTER * paged_decode_cluster.MAX_CAP} tokens the CUDA "
+                         "decode kernel holds")
         self._reference = TorchAttentionBackend()  # for the memory-profiling run, which has no cache
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope=None):
         if k_cache is None:
             return self._reference.forward(q, k, v, None, None, meta, scale)
-        if meta.num_decodes == meta.num_seqs:  # the decode kernel stores the step's keys and values itself
+        if meta.num_decodes == meta.num_seqs:  # the decode kernels store the step's keys and values themselves
+            if self.cluster_cap and rope is not None and paged_decode_cluster.takes(q, k_cache, meta.num_seqs):
+                return paged_decode_cluster.paged_decode_cluster(
+                    q, k, v, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping, scale, rope,
+                    self.cluster_cap)
             splits = decode_num_splits(meta.num_seqs, k_cache.shape[2], self.max_model_len, num_sms(q.device))
             return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
                                 new_kv=(k, v, meta.slot_mapping), rope=rope)

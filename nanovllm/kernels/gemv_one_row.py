@@ -3,20 +3,12 @@ first use into a cache folder (NANOVLLM_CACHE, default ~/.cache/nanovllm) and ca
 capture its launches like any other. Hopper and newer (bulk async copies); NANOVLLM_GEMV_CUDA=0 turns it off.
 Twins: F.linear after layers.layernorm.rms_norm (with the residual add) or layers.activation.SiluAndMul."""
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-from nanovllm.kernels import pdl
+from nanovllm.kernels import cuda_library, pdl
 from nanovllm.logger import log_once
 
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "gemv_one_row.cu"
-NVCC_FLAGS = ["-O3", "-shared", "-Xcompiler", "-fPIC", "-gencode", "arch=compute_90,code=sm_90"]
 # a CTA's shared memory at most: its slice of W plus the staged input row (at most 55 KB for Qwen3-0.6B's layers,
 # two CTAs a SM each). Set when a GEMV had one CTA a SM, so that the next GEMV's fit beside it on the SM (228 KB)
 SMEM_LIMIT = 110 * 1024
@@ -26,67 +18,26 @@ _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 CTAS_PER_SM = 2
 MAX_K = 4096  # kMaxK of the .cu: each thread holds its share of the staged input row in registers
 
-_library: ctypes.CDLL | None = None
 _why_off: dict[str, str | None] = {}
-
-
-def _nvcc() -> str | None:
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    candidate = Path(cuda_home) / "bin" / "nvcc"
-    return shutil.which("nvcc") or (str(candidate) if candidate.exists() else None)
-
-
-def _build(nvcc: str) -> ctypes.CDLL:
-    """Compile the source once per content and flags (the file name holds their hash), then load it."""
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nanovllm"))
-    target = cache / f"gemv_one_row_{digest}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then rename: concurrent builds are safe
-            built = Path(tmp) / target.name
-            done = subprocess.run([nvcc, *NVCC_FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"nvcc failed on {SOURCE.name}: {done.stderr.strip()[-500:]}")
-            os.replace(built, target)
-    library = ctypes.CDLL(str(target))
-    library.nanovllm_gemv_one_row.restype = ctypes.c_int
-    library.nanovllm_gemv_one_row.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
-                                              + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_void_p])
-    library.nanovllm_cuda_error_string.restype = ctypes.c_char_p
-    library.nanovllm_cuda_error_string.argtypes = [ctypes.c_int]
-    return library
 
 
 def why_off(device: torch.device) -> str | None:
     """None when the kernel runs on this device, else why not (said once in the log: the Triton GEMV runs)."""
     key = str(device)
     if key not in _why_off:
-        _why_off[key] = reason = _find_reason(device)
+        _why_off[key] = reason = cuda_library.why_unavailable("gemv_one_row", device, "NANOVLLM_GEMV_CUDA")
+        if reason is None:
+            _library().nanovllm_gemv_one_row.restype = ctypes.c_int
+            _library().nanovllm_gemv_one_row.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
+                                                         + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_void_p])
         if device.type == "cuda":
             log_once("one-row GEMVs (bs=1 decode) run the CUDA kernel of csrc/gemv_one_row.cu" if reason is None
                      else f"one-row GEMVs run the Triton GEMV: the CUDA one is off ({reason})")
     return _why_off[key]
 
 
-def _find_reason(device: torch.device) -> str | None:
-    global _library
-    if os.environ.get("NANOVLLM_GEMV_CUDA", "1") == "0":
-        return "NANOVLLM_GEMV_CUDA=0"
-    if (reason := pdl.not_hopper(device)) is not None:
-        return reason
-    if not SOURCE.exists():
-        return f"{SOURCE} is missing"
-    nvcc = _nvcc()
-    if nvcc is None:
-        return "nvcc not found: put it on PATH or set CUDA_HOME"
-    if _library is None:
-        try:
-            _library = _build(nvcc)
-        except (RuntimeError, OSError) as error:
-            return str(error)
-    return None
+def _library() -> ctypes.CDLL:
+    return cuda_library.library("gemv_one_row")
 
 
 def rows_per_cta(weight: torch.Tensor) -> int:
@@ -120,14 +71,10 @@ def gemv_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     res_out = None
     if mode == "add_norm":
         res_out = torch.empty_like(x) if residual is not None else x
-    error = _library.nanovllm_gemv_one_row(
-        _DTYPES[x.dtype], x.data_ptr(), weight.data_ptr(), _ptr(bias), y.data_ptr(), _ptr(residual),
-        _ptr(norm_weight), _ptr(res_out if residual is not None else None), n, k, rows_per_cta(weight), eps,
-        MODES[mode], int(pdl.why_off(x.device) is None), torch.cuda.current_stream(x.device).cuda_stream)
-    if error != 0:
-        raise RuntimeError(f"gemv_one_row launch failed: {_library.nanovllm_cuda_error_string(error).decode()}")
+    ptr = cuda_library.pointer
+    error = _library().nanovllm_gemv_one_row(
+        _DTYPES[x.dtype], x.data_ptr(), weight.data_ptr(), ptr(bias), y.data_ptr(), ptr(residual), ptr(norm_weight),
+        ptr(res_out if residual is not None else None), n, k, rows_per_cta(weight), eps, MODES[mode],
+        int(pdl.why_off(x.device) is None), cuda_library.stream_of(x))
+    cuda_library.check(_library(), error, "gemv_one_row")
     return y, res_out
-
-
-def _ptr(tensor: torch.Tensor | None) -> int | None:
-    return None if tensor is None else tensor.data_ptr()

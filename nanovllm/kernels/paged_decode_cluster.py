@@ -1,0 +1,100 @@
+"""Paged decode attention for a few sequences in CUDA C++: csrc/paged_decode_cluster.cu, whose header says why.
+Each (sequence, kv head) is one thread-block cluster of CLUSTER splits that copy their share of the context before
+the PDL wait, norm and rotate q and k, store the step's k and v, and merge through distributed shared memory.
+Hopper and newer; NANOVLLM_DECODE_CUDA=0 turns it off. Twin: attention.torch_backend.decode_reference after
+RotaryEmbedding.forward_native (the Triton twin: kernels.paged_attention.paged_decode with new_kv and rope)."""
+import ctypes
+
+import torch
+
+from nanovllm.attention.metadata import DecodeRope
+from nanovllm.kernels import cuda_library, pdl
+from nanovllm.logger import log_once
+
+CLUSTER = 8      # splits of one (sequence, kv head): the portable cluster size
+MAX_CAP = 128    # context positions a CTA holds at once: 64 KB of K and V at head_dim 128 in bf16
+MAX_SEQS = 4     # decode steps of at most this many sequences take this kernel
+_DTYPES = {torch.bfloat16: 0, torch.float16: 1}
+_GROUPS = (1, 2, 4, 8)
+_HEAD_DIMS = (64, 128)
+
+_why_off: dict[str, str | None] = {}
+
+
+class _Params(ctypes.Structure):
+    """The kernel's Params, field by field (element strides)."""
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("q", "k_new", "v_new", "k_cache", "v_cache", "out",
+                                                      "block_tables", "seq_lens", "slot_mapping", "cos", "sin",
+                                                      "q_norm_w", "k_norm_w")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+                + [(name, ctypes.c_int64) for name in ("stride_qt", "stride_qh", "stride_knt", "stride_vnt",
+                                                       "stride_ot", "stride_oh", "stride_cb", "stride_cs",
+                                                       "stride_ch", "stride_bt")]
+                + [("page", ctypes.c_int), ("cap", ctypes.c_int)])
+
+
+def why_off(device: torch.device) -> str | None:
+    """None when the kernel runs on this device, else why not (said once in the log: the Triton decode runs)."""
+    key = str(device)
+    if key not in _why_off:
+        _why_off[key] = reason = cuda_library.why_unavailable("paged_decode_cluster", device, "NANOVLLM_DECODE_CUDA")
+        if reason is None:
+            entry = _library().nanovllm_paged_decode_cluster
+            entry.restype = ctypes.c_int
+            entry.argtypes = ([ctypes.c_int, ctypes.POINTER(_Params)] + [ctypes.c_int] * 6 + [ctypes.c_void_p])
+        if device.type == "cuda":
+            log_once(f"decode steps of up to {MAX_SEQS} sequence(s) run the CUDA attention of "
+                     "csrc/paged_decode_cluster.cu" if reason is None
+                     else f"decode attention runs the Triton kernels at every batch: the CUDA one is off ({reason})")
+    return _why_off[key]
+
+
+def _library() -> ctypes.CDLL:
+    return cuda_library.library("paged_decode_cluster")
+
+
+def capacity(max_model_len: int) -> int:
+    """Positions a CTA holds: a CLUSTER-th of the longest context (16-aligned), at most MAX_CAP."""
+    share = -(-max_model_len // CLUSTER)
+    return min(MAX_CAP, (share + 15) // 16 * 16)
+
+
+def holds_context(max_model_len: int) -> bool:
+    """Whether every context fits the cluster's shared memory in one round (all of it copied before the wait).
+    Longer ones would take rounds loaded after the wait: on the H100 a 3,000-token bs=1 decode took 31 us a layer
+    that way, 20 with the Triton kernels, so engines with a longer max_model_len keep those."""
+    return max_model_len <= CLUSTER * MAX_CAP
+
+
+def takes(q: torch.Tensor, k_cache: torch.Tensor, num_seqs: int) -> bool:
+    """Whether a decode step of these queries [B, H, D] and this cache runs this kernel."""
+    head_dim, group = q.shape[2], q.shape[1] // k_cache.shape[2]
+    return (num_seqs <= MAX_SEQS and q.dtype in _DTYPES and k_cache.dtype == q.dtype and head_dim in _HEAD_DIMS
+            and group in _GROUPS and q.shape[1] % k_cache.shape[2] == 0 and k_cache.is_contiguous()
+            and why_off(q.device) is None)
+
+
+def paged_decode_cluster(q, k_new, v_new, k_cache, v_cache, block_tables, seq_lens, slot_mapping, scale: float,
+                         rope: DecodeRope, cap: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, H, D], k_new / v_new: [B, kv_heads, D] this step's unrotated queries and keys and its values (strided
+    rows of a fused qkv are fine; each head row contiguous) -> [B, H, D]. The kernel norms (when rope has norm
+    weights) and rotates q and k at position seq_len - 1, stores k and v at slot_mapping, and attends over the
+    whole context. cap: capacity(max_model_len) (a CUDA graph bakes the shared memory size in)."""
+    B, H, D = q.shape
+    _, page, kv_heads, _ = k_cache.shape
+    assert takes(q, k_cache, B) and rope.cos.is_contiguous() and rope.cos.shape[1] == D
+    assert q.stride(2) == 1 and k_new.stride(1) == D and k_new.stride(2) == 1 and v_new.stride(1) == D
+    assert v_new.stride(2) == 1 and slot_mapping.dtype == torch.int64 and block_tables.dtype == torch.int32
+    out = torch.empty(B, H, D, dtype=q.dtype, device=q.device) if out is None else out
+    ptr = cuda_library.pointer
+    params = _Params(q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                     out.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), slot_mapping.data_ptr(),
+                     rope.cos.data_ptr(), rope.sin.data_ptr(), ptr(rope.q_norm_weight), ptr(rope.k_norm_weight),
+                     rope.eps, scale, q.stride(0), q.stride(1), k_new.stride(0), v_new.stride(0), out.stride(0),
+                     out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+                     page, cap)
+    error = _library().nanovllm_paged_decode_cluster(
+        _DTYPES[q.dtype], ctypes.byref(params), D, H // kv_heads, CLUSTER, kv_heads, B,
+        int(pdl.why_off(q.device) is None), cuda_library.stream_of(q))
+    cuda_library.check(_library(), error, "paged_decode_cluster")
+    return out
