@@ -16,6 +16,10 @@
 //   MODE_PLAIN     x
 //   MODE_ADD_NORM  RMSNorm(x + residual) * norm_w; CTA 0 writes x + residual to res_out (the next residual)
 //   MODE_SILU_MUL  silu(gate) * up, x being the stacked [gate | up] row (2K long)
+// and behind it (SILU_OUT, with MODE_ADD_NORM: mode 3 of the entry point): W is a stacked [gate; up] weight of N
+// rows, each CTA owns rows_per_cta rows of each half, and y = silu(x W_gate^T) * (x W_up^T), N / 2 wide, so that
+// the next GEMV (down_proj) stages its input without the activation (down's SiLU staging of a 12 KB row read by
+// every CTA took 1.8-5.6 us after its wait in a bs=1 Qwen3-0.6B layer; a plain one of 4 KB, 0.2-0.5).
 // Reference: F.linear after layers.layernorm.rms_norm / layers.activation.SiluAndMul (nanovllm/kernels/gemv_one_row.py).
 #include "common.cuh"
 
@@ -29,7 +33,7 @@ constexpr int kChunks = 4;  // W's slice arrives in this many pieces, so multipl
 constexpr int kMaxK = 4096;
 constexpr int kMaxShare = kMaxK / 8 / kThreads;
 
-enum Mode { MODE_PLAIN = 0, MODE_ADD_NORM = 1, MODE_SILU_MUL = 2 };
+enum Mode { MODE_PLAIN = 0, MODE_ADD_NORM = 1, MODE_SILU_MUL = 2, MODE_ADD_NORM_SILU_OUT = 3 };
 
 __device__ __forceinline__ void wait_for_bytes(uint64_t* bar) {
   uint32_t done = 0;
@@ -39,9 +43,11 @@ __device__ __forceinline__ void wait_for_bytes(uint64_t* bar) {
   }
 }
 
-// Thread 0 starts the bulk copies of the CTA's slice of W, chunk c completing arrived[c].
+// Thread 0 starts the bulk copies of the CTA's slice of W, chunk c completing arrived[c]. With `second` (the
+// up half of a stacked [gate; up] weight), the same rows of it land behind the first slice (at ws + stride * K).
 template <typename T>
-__device__ void start_weight_copies(T* ws, const T* slice, int rows, int K, uint64_t* arrived) {
+__device__ void start_weight_copies(T* ws, const T* slice, const T* second, int stride, int rows, int K,
+                                    uint64_t* arrived) {
   for (int c = 0; c < kChunks; ++c)
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&arrived[c])) : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -53,10 +59,14 @@ __device__ void start_weight_copies(T* ws, const T* slice, int rows, int K, uint
       continue;
     }
     const uint32_t bytes = static_cast<uint32_t>((r1 - r0) * K * sizeof(T));
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_addr(ws + static_cast<size_t>(r0) * K)), "l"(slice + static_cast<size_t>(r0) * K),
-                 "r"(bytes), "r"(bar) : "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                 "r"(second != nullptr ? 2 * bytes : bytes) : "memory");
+    for (int part = 0; part < (second != nullptr ? 2 : 1); ++part) {
+      const T* src = (part == 0 ? slice : second) + static_cast<size_t>(r0) * K;
+      T* dst = ws + (static_cast<size_t>(part) * stride + r0) * K;
+      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                   ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(bar) : "memory");
+    }
   }
 }
 
@@ -138,18 +148,22 @@ __device__ __forceinline__ float dot_row(const T* wrow, const T* xs, int K) {
   return warp_sum(acc);
 }
 
-template <typename T, int MODE>
+template <typename T, int MODE, bool SILU_OUT>
 __global__ void __launch_bounds__(kThreads) gemv_one_row_kernel(
     const T* x, const T* __restrict__ w, const T* __restrict__ bias, T* y, const T* residual,
     const T* __restrict__ norm_w, T* res_out, int N, int K, int rows_per_cta, float eps) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) uint64_t arrived[kChunks];
   __shared__ float warp_squares[kWarps];
-  T* ws = reinterpret_cast<T*>(smem);  // [rows_per_cta, K], then the fused input row [K]
-  T* xs = ws + static_cast<size_t>(rows_per_cta) * K;
+  constexpr int kParts = SILU_OUT ? 2 : 1;  // slices of W a CTA holds: its gate rows, then the same up rows
+  const int outputs = N / kParts;
+  T* ws = reinterpret_cast<T*>(smem);  // [kParts, rows_per_cta, K], then the fused input row [K]
+  T* xs = ws + static_cast<size_t>(kParts) * rows_per_cta * K;
   const int row0 = blockIdx.x * rows_per_cta;
-  const int rows = min(rows_per_cta, N - row0);
-  if (threadIdx.x == 0) start_weight_copies(ws, w + static_cast<size_t>(row0) * K, rows, K, arrived);
+  const int rows = min(rows_per_cta, outputs - row0);
+  if (threadIdx.x == 0)
+    start_weight_copies(ws, w + static_cast<size_t>(row0) * K,
+                        SILU_OUT ? w + static_cast<size_t>(outputs + row0) * K : nullptr, rows_per_cta, rows, K, arrived);
   Pack<T> scale[kMaxShare];  // the norm's weight: read before the wait, like W
   if constexpr (MODE == MODE_ADD_NORM) load_share<T, false>(scale, norm_w, K);
   __syncthreads();  // the barriers are initialized before any thread waits on them
@@ -158,36 +172,43 @@ __global__ void __launch_bounds__(kThreads) gemv_one_row_kernel(
   int ready = 0;  // chunks this warp has waited for
   for (int r = threadIdx.x / 32; r < rows; r += kWarps) {
     while (rows * ready / kChunks <= r) wait_for_bytes(&arrived[ready++]);
-    const float acc = dot_row(ws + static_cast<size_t>(r) * K, xs, K);
-    if (threadIdx.x % 32 == 0) y[row0 + r] = from_float<T>(bias != nullptr ? acc + to_float(bias[row0 + r]) : acc);
+    float acc = dot_row(ws + static_cast<size_t>(r) * K, xs, K);
+    if (bias != nullptr) acc += to_float(bias[row0 + r]);
+    if constexpr (SILU_OUT) {  // rounded as the unfused GEMV's output, then SiluAndMul
+      float up = dot_row(ws + static_cast<size_t>(rows_per_cta + r) * K, xs, K);
+      if (bias != nullptr) up += to_float(bias[outputs + row0 + r]);
+      const float gate = round_to<T>(acc);
+      acc = round_to<T>(gate / (1.f + expf(-gate))) * round_to<T>(up);
+    }
+    if (threadIdx.x % 32 == 0) y[row0 + r] = from_float<T>(acc);
   }
 }
 
-template <typename T, int MODE>
+template <typename T, int MODE, bool SILU_OUT = false>
 cudaError_t launch(const void* x, const void* w, const void* bias, void* y, const void* residual,
                    const void* norm_w, void* res_out, int N, int K, int rows_per_cta, float eps, int pdl,
                    cudaStream_t stream) {
-  const size_t smem = static_cast<size_t>(rows_per_cta + 1) * K * sizeof(T);
+  constexpr int kParts = SILU_OUT ? 2 : 1;
+  const auto kernel = gemv_one_row_kernel<T, MODE, SILU_OUT>;
+  const size_t smem = static_cast<size_t>(kParts * rows_per_cta + 1) * K * sizeof(T);
   static size_t smem_allowed = 0;  // raised once per instance, to the largest asked so far
   if (smem > smem_allowed) {
-    cudaError_t err = cudaFuncSetAttribute(gemv_one_row_kernel<T, MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(smem));
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return err;
     // all of the SM's shared memory rather than L1, so the next GEMVs' CTAs find room beside this one's
-    err = cudaFuncSetAttribute(gemv_one_row_kernel<T, MODE>, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               cudaSharedmemCarveoutMaxShared);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
     if (err != cudaSuccess) return err;
     smem_allowed = smem;
   }
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((N + rows_per_cta - 1) / rows_per_cta);
+  config.gridDim = dim3((N / kParts + rows_per_cta - 1) / rows_per_cta);
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attribute = pdl_attribute();
   config.attrs = &attribute;
   config.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, gemv_one_row_kernel<T, MODE>, static_cast<const T*>(x), static_cast<const T*>(w),
+  return cudaLaunchKernelEx(&config, kernel, static_cast<const T*>(x), static_cast<const T*>(w),
                             static_cast<const T*>(bias), static_cast<T*>(y), static_cast<const T*>(residual),
                             static_cast<const T*>(norm_w), static_cast<T*>(res_out), N, K, rows_per_cta, eps);
 }
@@ -205,6 +226,9 @@ cudaError_t launch_for_mode(const void* x, const void* w, const void* bias, void
     case MODE_SILU_MUL:
       return launch<T, MODE_SILU_MUL>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl,
                                             stream);
+    case MODE_ADD_NORM_SILU_OUT:
+      return launch<T, MODE_ADD_NORM, true>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl,
+                                            stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -213,8 +237,9 @@ cudaError_t launch_for_mode(const void* x, const void* w, const void* bias, void
 
 extern "C" {
 
-// dtype: 0 bfloat16, 1 float16; K <= kMaxK, a multiple of 8. Pointers a mode does not use may be null; res_out
-// null: the residual sum is not written. Returns a cudaError_t.
+// dtype: 0 bfloat16, 1 float16; K <= kMaxK, a multiple of 8; mode: a Mode (3: N even, rows_per_cta counting rows
+// of each half). Pointers a mode does not use may be null; res_out null: the residual sum is not written. Returns
+// a cudaError_t.
 int nanovllm_gemv_one_row(int dtype, const void* x, const void* w, const void* bias, void* y, const void* residual,
                           const void* norm_w, void* res_out, int N, int K, int rows_per_cta, float eps, int mode,
                           int pdl, void* stream) {

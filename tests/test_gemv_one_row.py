@@ -63,19 +63,45 @@ def test_silu_mul_matches_silu_and_mul_then_linear(n, k, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(6144, 1024), (80, 96), (666, 264), (262, 1032), (14, 4096)])  # stacked [gate; up]
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_add_norm_silu_matches_add_norm_then_silu_and_mul(n, k, dtype, bias):
+    """RMSNorm(x + residual), the stacked gate_up projection and SiLU-and-mul in one kernel: the fp32 twin within
+    the kernel tolerance, and within one rounding step of the add_norm kernel followed by SiluAndMul."""
+    x, w, b = _inputs(n, k, dtype, 12)
+    b = b if bias else None
+    residual = _inputs(n, k, dtype, 13)[0]
+    norm = RMSNorm(k, 1e-6).cuda()
+    norm.weight.data = (1 + 0.1 * torch.randn(k, generator=torch.Generator().manual_seed(14))).to(dtype).cuda()
+    got, got_residual = one_row.gemv_one_row(x, w, b, "add_norm_silu", residual, norm.weight, norm.eps)
+    assert got.shape == (1, n // 2)
+    normed, want_residual = norm.forward_native(x, residual)
+    want = SiluAndMul().forward_native(F.linear(normed.float(), w.float(), None if b is None else b.float()))
+    torch.testing.assert_close(got.float(), want, **kernel_tol(dtype))
+    assert torch.equal(got_residual, want_residual)
+    two_kernels = SiluAndMul().forward_native(one_row.gemv_one_row(x, w, b, "add_norm", residual, norm.weight,
+                                                                    norm.eps)[0])
+    torch.testing.assert_close(got, two_kernels, atol=0, rtol=2 ** -7 if dtype == torch.bfloat16 else 2 ** -10)
+
+
+@pytest.mark.gpu
 def test_chain_in_cuda_graph_matches_eager():
-    """Consecutive one-row GEMVs under PDL inside a CUDA graph (each streams its weight before waiting on the one
-    before) give the eager results bit for bit."""
+    """Consecutive one-row GEMVs (every mode) under PDL inside a CUDA graph (each streams its weight before waiting
+    on the one before) give the eager results bit for bit."""
     dtype = torch.bfloat16
     x, w1, _ = _inputs(4096, 1024, dtype, 6)
     w2, w3 = _inputs(1024, 4096, dtype, 7)[1], _inputs(6144, 1024, dtype, 8)[1]
     w4 = _inputs(1024, 3072, dtype, 9)[1]
+    w5 = _inputs(6144, 1024, dtype, 10)[1]
+    norm_w = torch.ones(1024, dtype=dtype, device="cuda")
 
     def chain(x):
         h, _ = one_row.gemv_one_row(x, w1)
         h, _ = one_row.gemv_one_row(h, w2)
         h, _ = one_row.gemv_one_row(h, w3)
-        return one_row.gemv_one_row(h, w4, mode="silu_mul")[0]
+        h, _ = one_row.gemv_one_row(h, w4, mode="silu_mul")
+        return one_row.gemv_one_row(h, w5, mode="add_norm_silu", norm_weight=norm_w, eps=1e-6)[0]
 
     want = chain(x)
     for _ in range(20):  # eager, buffers reused by the caching allocator
@@ -127,7 +153,8 @@ def test_norm_then_project_fuses_one_row_on_the_gpu_only(with_residual):
         assert torch.equal(got_residual, want_residual)
 
 
-def test_mlp_fuses_silu_and_mul_into_down_for_one_row_on_the_gpu_only():
+def _mlps():
+    """(device, dtype, the MLP on its native path, a copy on the GEMV linear method), small random weights."""
     import copy
     from types import SimpleNamespace
 
@@ -142,11 +169,33 @@ def test_mlp_fuses_silu_and_mul_into_down_for_one_row_on_the_gpu_only():
     mlp = copy.deepcopy(native)
     for linear in (mlp.gate_up_proj, mlp.down_proj):
         linear.linear_method = TritonGemvLinearMethod()
+    return device, dtype, native, mlp
+
+
+def test_mlp_fuses_silu_and_mul_into_down_for_one_row_on_the_gpu_only():
+    device, dtype, native, mlp = _mlps()
     for rows in (1, 2):
         x = torch.randn(rows, 256, device=device, dtype=dtype)
         fused = mlp.down_proj.linear_method.apply_silu_and_mul(mlp.down_proj, mlp.gate_up_proj(x))
         assert (fused is not None) == (device == "cuda" and rows == 1)
         torch.testing.assert_close(mlp(x).float(), native(x).float(), **kernel_tol(dtype))
+
+
+def test_mlp_after_norm_fuses_norm_and_silu_into_gate_up_for_one_row_on_the_gpu_only():
+    """The decoder layer's second half: one kernel for the norm, gate_up_proj and SiLU-and-mul (one row, GPU), then
+    down_proj; the native MLP after the native norm elsewhere; the same outputs and next residual."""
+    device, dtype, native, mlp = _mlps()
+    norm = RMSNorm(256, 1e-6).to(device)
+    norm.weight.data = (1 + 0.1 * torch.randn(256, device=device)).to(dtype)
+    for rows in (1, 2):
+        x, residual = (torch.randn(rows, 256, device=device, dtype=dtype) for _ in range(2))
+        fused = mlp.gate_up_proj.linear_method.apply_add_rms_norm(mlp.gate_up_proj, x, residual, norm,
+                                                                  silu_and_mul=True)
+        assert (fused is not None) == (device == "cuda" and rows == 1)
+        got, got_residual = mlp.after_norm(norm, x, residual)
+        normed, want_residual = norm.forward_native(x, residual)
+        torch.testing.assert_close(got.float(), native(normed).float(), **kernel_tol(dtype))
+        assert torch.equal(got_residual, want_residual)
 
 
 def test_off_without_a_gpu_says_why():

@@ -12,7 +12,8 @@ from nanovllm.logger import log_once
 # a CTA's shared memory at most: its slice of W plus the staged input row (at most 55 KB for Qwen3-0.6B's layers,
 # two CTAs a SM each). Set when a GEMV had one CTA a SM, so that the next GEMV's fit beside it on the SM (228 KB)
 SMEM_LIMIT = 110 * 1024
-MODES = {"plain": 0, "add_norm": 1, "silu_mul": 2}
+# add_norm_silu: add_norm in front, and behind, silu(gate) * up of a stacked [gate; up] weight (N / 2 outputs)
+MODES = {"plain": 0, "add_norm": 1, "silu_mul": 2, "add_norm_silu": 3}
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 # CTAs of one GEMV per SM: bs=1 decode of Qwen3-0.6B on the H100 ran 963 tok/s with 1, 1,038 with 2, 1,014 with 4
 CTAS_PER_SM = 2
@@ -40,41 +41,45 @@ def _library() -> ctypes.CDLL:
     return cuda_library.library("gemv_one_row")
 
 
-def rows_per_cta(weight: torch.Tensor) -> int:
-    """Rows of W each CTA owns: CTAS_PER_SM CTAs per SM."""
+def rows_per_cta(weight: torch.Tensor, parts: int = 1) -> int:
+    """Outputs each CTA owns (CTAS_PER_SM CTAs per SM): rows of W, or of each of its `parts` stacked halves."""
     sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
-    return -(-weight.shape[0] // (sms * CTAS_PER_SM))
+    return -(-weight.shape[0] // parts // (sms * CTAS_PER_SM))
 
 
-def smem_bytes(weight: torch.Tensor) -> int:
-    return (rows_per_cta(weight) + 1) * weight.shape[1] * weight.element_size()  # the slice of W, the input row
+def smem_bytes(weight: torch.Tensor, parts: int = 1) -> int:
+    """The CTA's slice of W and the input row."""
+    return (parts * rows_per_cta(weight, parts) + 1) * weight.shape[1] * weight.element_size()
 
 
-def fits(weight: torch.Tensor) -> bool:
+def fits(weight: torch.Tensor, silu_out: bool = False) -> bool:
     """Whether this weight can take the kernel: a 16-byte aligned [N, K] bf16/fp16 matrix, K a multiple of 8 up to
-    MAX_K, whose per-CTA slice fits the shared memory budget, on a device where the kernel runs."""
+    MAX_K, whose per-CTA slice fits the shared memory budget, on a device where the kernel runs. silu_out: as the
+    stacked [gate; up] weight of mode add_norm_silu (N even)."""
+    parts = 2 if silu_out else 1
     return (weight.dtype in _DTYPES and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] % 8 == 0
-            and weight.shape[1] <= MAX_K and weight.data_ptr() % 16 == 0 and why_off(weight.device) is None
-            and smem_bytes(weight) <= SMEM_LIMIT)
+            and weight.shape[1] <= MAX_K and weight.shape[0] % parts == 0 and weight.data_ptr() % 16 == 0
+            and why_off(weight.device) is None and smem_bytes(weight, parts) <= SMEM_LIMIT)
 
 
 def gemv_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, mode: str = "plain",
                  residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: one contiguous row ([1, K]; [1, 2K] of stacked gate and up for silu_mul); weight: [N, K] that fits().
-    Returns (y [1, N], the next residual): add_norm gives x + residual (x itself without a residual), other
-    modes None. out: [1, N] to write into."""
+    Returns (y [1, N] ([1, N / 2] for add_norm_silu), the next residual): add_norm(_silu) gives x + residual (x
+    itself without a residual), other modes None. out: y's tensor to write into."""
     n, k = weight.shape
-    assert fits(weight) and x.is_contiguous() and x.dtype == weight.dtype
+    parts = 2 if mode == "add_norm_silu" else 1
+    assert fits(weight, parts == 2) and x.is_contiguous() and x.dtype == weight.dtype
     assert x.numel() == (2 * k if mode == "silu_mul" else k)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device) if out is None else out
+    y = torch.empty(1, n // parts, dtype=x.dtype, device=x.device) if out is None else out
     res_out = None
-    if mode == "add_norm":
+    if mode.startswith("add_norm"):
         res_out = torch.empty_like(x) if residual is not None else x
     ptr = cuda_library.pointer
     error = _library().nanovllm_gemv_one_row(
         _DTYPES[x.dtype], x.data_ptr(), weight.data_ptr(), ptr(bias), y.data_ptr(), ptr(residual), ptr(norm_weight),
-        ptr(res_out if residual is not None else None), n, k, rows_per_cta(weight), eps, MODES[mode],
+        ptr(res_out if residual is not None else None), n, k, rows_per_cta(weight, parts), eps, MODES[mode],
         int(pdl.why_off(x.device) is None), cuda_library.stream_of(x))
     cuda_library.check(_library(), error, "gemv_one_row")
     return y, res_out

@@ -25,9 +25,9 @@ class LinearMethod:
         return None
 
     def apply_add_rms_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+                           norm: nn.Module, silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(layer(norm(x + residual)), x + residual) in one kernel where this method has one; None: run them
-        apart."""
+        apart. silu_and_mul: the layer's output is a stacked [gate | up], and the kernel returns silu(gate) * up."""
         return None
 
 
@@ -95,21 +95,22 @@ class TritonGemvLinearMethod(UnquantizedLinearMethod):
         return out.view(*gate_up.shape[:-1], out.shape[-1])
 
     def apply_add_rms_norm(self, layer: nn.Module, x: torch.Tensor, residual: torch.Tensor | None,
-                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if x.numel() != x.shape[-1] or not _takes_one_row_kernel(layer, x, residual, norm.weight):
+                           norm: nn.Module, silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if x.numel() != x.shape[-1] or not _takes_one_row_kernel(layer, x, residual, norm.weight,
+                                                                silu_out=silu_and_mul):
             return None
-        out, residual = gemv_one_row.gemv_one_row(x, layer.weight, layer.bias, "add_norm", residual, norm.weight,
-                                                  norm.eps)
+        mode = "add_norm_silu" if silu_and_mul else "add_norm"
+        out, residual = gemv_one_row.gemv_one_row(x, layer.weight, layer.bias, mode, residual, norm.weight, norm.eps)
         return out.view(*x.shape[:-1], out.shape[-1]), residual.view(x.shape)
 
 
-def _takes_one_row_kernel(layer: nn.Module, *tensors: torch.Tensor | None) -> bool:
-    """Whether one row goes to the CUDA one-row kernel: its weight fits it (decided once a layer) and the row's
-    tensors are contiguous, of the weight's dtype."""
+def _takes_one_row_kernel(layer: nn.Module, *tensors: torch.Tensor | None, silu_out: bool = False) -> bool:
+    """Whether one row goes to the CUDA one-row kernel: its weight fits it (decided once a layer, per output
+    kind) and the row's tensors are contiguous, of the weight's dtype."""
     if not hasattr(layer, "one_row_kernel"):
-        layer.one_row_kernel = gemv_one_row.fits(layer.weight)
-    return layer.one_row_kernel and all(t is None or (t.is_contiguous() and t.dtype == layer.weight.dtype)
-                                        for t in tensors)
+        layer.one_row_kernel = {kind: gemv_one_row.fits(layer.weight, kind) for kind in (False, True)}
+    return layer.one_row_kernel[silu_out] and all(t is None or (t.is_contiguous() and t.dtype == layer.weight.dtype)
+                                                  for t in tensors)
 
 
 class LinearBase(nn.Module):

@@ -58,6 +58,18 @@ class LlamaMLP(nn.Module):
         fused = self.down_proj.linear_method.apply_silu_and_mul(self.down_proj, gate_up)
         return fused if fused is not None else self.down_proj(self.act(gate_up))
 
+    def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp(norm(x + residual)), x + residual): where gate_up_proj's method can, one kernel for the norm,
+        gate_up_proj and SiLU-and-mul, then down_proj alone; else the norm in front of gate_up_proj, SiLU-and-mul
+        in front of down_proj, where their methods can."""
+        fused = self.gate_up_proj.linear_method.apply_add_rms_norm(self.gate_up_proj, x, residual, norm,
+                                                                   silu_and_mul=True)
+        if fused is not None:
+            activated, residual = fused
+            return self.down_proj(activated), residual
+        gate_up, residual = _norm_then_project(norm, self.gate_up_proj, x, residual)
+        return self.down(gate_up), residual
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool):
@@ -70,8 +82,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, positions, hidden, residual, meta):
         qkv, residual = _norm_then_project(self.input_layernorm, self.self_attn.qkv_proj, hidden, residual)
         hidden = self.self_attn(positions, qkv, meta)
-        gate_up, residual = _norm_then_project(self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual)
-        return self.mlp.down(gate_up), residual
+        return self.mlp.after_norm(self.post_attention_layernorm, hidden, residual)
 
 
 def _norm_then_project(norm: RMSNorm, proj, x: torch.Tensor, residual: torch.Tensor | None):
