@@ -59,12 +59,11 @@ def _decode_step(case, dtype, qk_norm, seed):
 @pytest.mark.parametrize("splits", [8, 16])
 def test_matches_rotary_then_reference(case, dtype, qk_norm, cap, splits, monkeypatch):
     monkeypatch.setattr(cluster, "MAX_SEQS", len(case[0]))
-    monkeypatch.setattr(cluster, "CLUSTER", splits)
     args, want, want_k, slots = _decode_step(case, dtype, qk_norm, seed=5)
     k_cache, v_cache = args[3], args[4]
     before = (k_cache.clone(), v_cache.clone())
     out = torch.full_like(args[0], float("nan"))
-    got = cluster.paged_decode_cluster(*args, cap=cap, out=out)
+    got = cluster.paged_decode_cluster(*args, splits=splits, cap=cap, out=out)
     assert got is out
     torch.testing.assert_close(got.float(), want, **kernel_tol(dtype))
     kv_heads, head_dim = k_cache.shape[2:]
@@ -74,7 +73,7 @@ def test_matches_rotary_then_reference(case, dtype, qk_norm, cap, splits, monkey
     for cache, old in zip((k_cache, v_cache), before):  # nothing else written
         old.view(-1, kv_heads, head_dim)[slots] = cache.view(-1, kv_heads, head_dim)[slots]
         assert torch.equal(cache.nan_to_num(7.0), old.nan_to_num(7.0))
-    assert torch.equal(cluster.paged_decode_cluster(*args, cap=cap), got)  # deterministic
+    assert torch.equal(cluster.paged_decode_cluster(*args, splits=splits, cap=cap), got)  # deterministic
 
 
 @pytest.mark.gpu
@@ -97,7 +96,8 @@ def test_in_a_graph_between_one_row_gemvs_replays_as_eager(monkeypatch):
     def chain():
         gemv_one_row(x, w_qkv, out=qkv)
         views = (qkv[:, :2048].view(1, 16, 128), qkv[:, 2048:3072].view(1, 8, 128), qkv[:, 3072:].view(1, 8, 128))
-        attn = cluster.paged_decode_cluster(*views, k_cache, v_cache, tables, lens, slots, scale, rope, cap=128)
+        attn = cluster.paged_decode_cluster(*views, k_cache, v_cache, tables, lens, slots, scale, rope, splits=16,
+                                            cap=128)
         gemv_one_row(attn.view(1, -1), w_o, out=y)
 
     chain()
@@ -113,8 +113,12 @@ def test_in_a_graph_between_one_row_gemvs_replays_as_eager(monkeypatch):
 
 
 def test_capacity_and_dispatch_rules():
-    assert cluster.capacity(1024) == 128 and cluster.capacity(100) == 16 and cluster.capacity(40960) == cluster.MAX_CAP
-    assert cluster.holds_context(1024) and not cluster.holds_context(1025)
+    assert cluster.capacity(1024, 8) == 128 and cluster.capacity(100, 8) == 16
+    assert cluster.capacity(40960, 16) == cluster.MAX_CAP
+    cpu = torch.device("cpu")
+    assert cluster.plan(1, 2048, cpu) == (16, 128) and cluster.plan(1, 2049, cpu) is None
+    assert cluster.plan(4, 1024, cpu) == (8, 128) and cluster.plan(2, 1025, cpu) is None
+    assert cluster.plan(5, 512, cpu) is None
     q = torch.empty(1, 16, 128, dtype=torch.bfloat16)
     cache = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16)
     assert not cluster.takes(q, cache, 1)  # no GPU here, or not this dtype

@@ -19,24 +19,21 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, max_model_len: int, device: torch.device):
         self.max_model_len = max_model_len
-        self.cluster_cap = None  # the CUDA decode kernel's capacity, where it runs
-        if paged_decode_cluster.why_off(device) is None:  # builds it now (never in a graph capture), logs it
-            if paged_decode_cluster.holds_context(max_model_len):
-                self.cluster_cap = paged_decode_cluster.capacity(max_model_len)
-            else:
-                log_once(f"decode steps of few sequences run the Triton kernels: max_model_len={max_model_len} is "
-                         f"over the {paged_decode_cluster.CLUSTER * paged_decode_cluster.MAX_CAP} tokens the CUDA "
-                         "decode kernel holds")
+        self.device = device
+        self.cuda_decode = paged_decode_cluster.why_off(device) is None  # builds it now (not in a graph capture)
+        if self.cuda_decode and paged_decode_cluster.plan(1, max_model_len, device) is None:
+            log_once(f"decode steps of few sequences run the Triton kernels: max_model_len={max_model_len} is over "
+                     "what the CUDA decode kernel holds in shared memory")
         self._reference = TorchAttentionBackend()  # for the memory-profiling run, which has no cache
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope=None):
         if k_cache is None:
             return self._reference.forward(q, k, v, None, None, meta, scale)
         if meta.num_decodes == meta.num_seqs:  # the decode kernels store the step's keys and values themselves
-            if self.cluster_cap and rope is not None and paged_decode_cluster.takes(q, k_cache, meta.num_seqs):
+            plan = paged_decode_cluster.plan(meta.num_seqs, self.max_model_len, self.device) if self.cuda_decode else None
+            if plan and rope is not None and paged_decode_cluster.takes(q, k_cache, meta.num_seqs):
                 return paged_decode_cluster.paged_decode_cluster(
-                    q, k, v, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping, scale, rope,
-                    self.cluster_cap)
+                    q, k, v, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping, scale, rope, *plan)
             splits = decode_num_splits(meta.num_seqs, k_cache.shape[2], self.max_model_len, num_sms(q.device))
             return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
                                 new_kv=(k, v, meta.slot_mapping), rope=rope)

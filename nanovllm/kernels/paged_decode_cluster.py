@@ -1,5 +1,5 @@
 """Paged decode attention for a few sequences in CUDA C++: csrc/paged_decode_cluster.cu, whose header says why.
-Each (sequence, kv head) is one thread-block cluster of CLUSTER splits that copy their share of the context before
+Each (sequence, kv head) is one thread-block cluster of splits (plan()) that copy their share of the context before
 the PDL wait, norm and rotate q and k, store the step's k and v, and merge through distributed shared memory.
 Hopper and newer; NANOVLLM_DECODE_CUDA=0 turns it off. Twin: attention.torch_backend.decode_reference after
 RotaryEmbedding.forward_native (the Triton twin: kernels.paged_attention.paged_decode with new_kv and rope)."""
@@ -11,7 +11,11 @@ from nanovllm.attention.metadata import DecodeRope
 from nanovllm.kernels import cuda_library, pdl
 from nanovllm.logger import log_once
 
-CLUSTER = 8      # splits of one (sequence, kv head): the portable cluster size
+# splits of one (sequence, kv head), one thread-block cluster: bs=1 decode of Qwen3-0.6B on the H100 ran 1,128 /
+# 1,131 tok/s with 16 (the largest cluster Hopper allows, non-portable), 1,111 / 1,112 with 8 (the portable size);
+# at 2-4 sequences 8 (16 was slower there: more CTAs than SMs)
+ONE_SEQ_SPLITS = 16
+FEW_SEQS_SPLITS = 8
 MAX_CAP = 128    # context positions a CTA holds at once: 64 KB of K and V at head_dim 128 in bf16
 MAX_SEQS = 4     # decode steps of at most this many sequences take this kernel
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
@@ -19,6 +23,7 @@ _GROUPS = (1, 2, 4, 8)
 _HEAD_DIMS = (64, 128)
 
 _why_off: dict[str, str | None] = {}
+_no_16_cluster: set[str] = set()  # devices where a 16-CTA cluster did not launch: 8 there
 
 
 class _Params(ctypes.Structure):
@@ -53,17 +58,21 @@ def _library() -> ctypes.CDLL:
     return cuda_library.library("paged_decode_cluster")
 
 
-def capacity(max_model_len: int) -> int:
-    """Positions a CTA holds: a CLUSTER-th of the longest context (16-aligned), at most MAX_CAP."""
-    share = -(-max_model_len // CLUSTER)
+def capacity(max_model_len: int, splits: int) -> int:
+    """Positions a CTA holds: a splits-th of the longest context (16-aligned), at most MAX_CAP."""
+    share = -(-max_model_len // splits)
     return min(MAX_CAP, (share + 15) // 16 * 16)
 
 
-def holds_context(max_model_len: int) -> bool:
-    """Whether every context fits the cluster's shared memory in one round (all of it copied before the wait).
-    Longer ones would take rounds loaded after the wait: on the H100 a 3,000-token bs=1 decode took 31 us a layer
-    that way, 20 with the Triton kernels, so engines with a longer max_model_len keep those."""
-    return max_model_len <= CLUSTER * MAX_CAP
+def plan(num_seqs: int, max_model_len: int, device: torch.device) -> tuple[int, int] | None:
+    """(splits, capacity) of a decode step of num_seqs sequences, or None: the Triton kernels take it. Only where
+    every context fits the cluster's shared memory in one round (all of it copied before the wait): a longer one
+    takes rounds loaded after the wait, and a 3,000-token bs=1 decode took 31 us a layer that way on the H100, 20
+    with the Triton kernels, so engines with a longer max_model_len keep those."""
+    splits = ONE_SEQ_SPLITS if num_seqs == 1 and str(device) not in _no_16_cluster else FEW_SEQS_SPLITS
+    if num_seqs > MAX_SEQS or max_model_len > splits * MAX_CAP:
+        return None
+    return splits, capacity(max_model_len, splits)
 
 
 def takes(q: torch.Tensor, k_cache: torch.Tensor, num_seqs: int) -> bool:
@@ -75,11 +84,11 @@ def takes(q: torch.Tensor, k_cache: torch.Tensor, num_seqs: int) -> bool:
 
 
 def paged_decode_cluster(q, k_new, v_new, k_cache, v_cache, block_tables, seq_lens, slot_mapping, scale: float,
-                         rope: DecodeRope, cap: int, out: torch.Tensor | None = None) -> torch.Tensor:
+                         rope: DecodeRope, splits: int, cap: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D], k_new / v_new: [B, kv_heads, D] this step's unrotated queries and keys and its values (strided
     rows of a fused qkv are fine; each head row contiguous) -> [B, H, D]. The kernel norms (when rope has norm
     weights) and rotates q and k at position seq_len - 1, stores k and v at slot_mapping, and attends over the
-    whole context. cap: capacity(max_model_len) (a CUDA graph bakes the shared memory size in)."""
+    whole context. splits (8 or 16), cap: plan()'s (a CUDA graph bakes them in)."""
     B, H, D = q.shape
     _, page, kv_heads, _ = k_cache.shape
     assert takes(q, k_cache, B) and rope.cos.is_contiguous() and rope.cos.shape[1] == D
@@ -93,8 +102,16 @@ def paged_decode_cluster(q, k_new, v_new, k_cache, v_cache, block_tables, seq_le
                      rope.eps, scale, q.stride(0), q.stride(1), k_new.stride(0), v_new.stride(0), out.stride(0),
                      out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
                      page, cap)
-    error = _library().nanovllm_paged_decode_cluster(
-        _DTYPES[q.dtype], ctypes.byref(params), D, H // kv_heads, CLUSTER, kv_heads, B,
-        int(pdl.why_off(q.device) is None), cuda_library.stream_of(q))
+    def launch(splits):
+        return _library().nanovllm_paged_decode_cluster(
+            _DTYPES[q.dtype], ctypes.byref(params), D, H // kv_heads, splits, kv_heads, B,
+            int(pdl.why_off(q.device) is None), cuda_library.stream_of(q))
+
+    error = launch(splits)
+    if error != 0 and splits == 16 and launch(8) == 0:  # the first (eager) step finds out, before any capture
+        _no_16_cluster.add(str(q.device))
+        log_once(f"16-CTA clusters do not launch on {q.device}: the CUDA decode attention runs 8 splits "
+                 f"({_library().nanovllm_cuda_error_string(error).decode()})")
+        error = 0
     cuda_library.check(_library(), error, "paged_decode_cluster")
     return out
