@@ -1,6 +1,6 @@
 """The GPU default: Triton paged attention (split-K decode that also stores the step's K/V; KV store, then
-varlen prefill over a cached prefix), and a CUDA decode kernel (kernels.paged_decode_cluster) for decode steps of at most
-4 sequences where max_model_len fits its shared memory."""
+varlen prefill over a cached prefix), and a CUDA decode kernel (kernels.paged_decode_cluster) for decode steps of
+at most 4 sequences where max_model_len fits its shared memory."""
 import torch
 
 from nanovllm.attention.backend import AttentionBackend
