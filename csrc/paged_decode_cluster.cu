@@ -8,7 +8,7 @@
 // and the arithmetic remain. The splits of one (sequence, kv head) are one thread-block cluster and merge their
 // partial softmax states through distributed shared memory: no merge kernel, no partials in global memory.
 //
-// Grid (splits, kv heads, sequences), cluster (splits, 1, 1), 128 threads. Split s of a sequence of L tokens
+// Grid (splits, kv heads, sequences), cluster (splits, 1, 1), 256 threads. Split s of a sequence of L tokens
 // owns positions [s * ceil(L / splits), (s + 1) * ceil(L / splits)) up to L. A CTA holds `cap` positions of K
 // and V at a time; a longer share is done in rounds, the later ones loaded after the wait (correct but slower:
 // the caller sizes cap from max_model_len).
