@@ -232,11 +232,12 @@ def bench_prefill(args, model, dtype, hf_config):
     seconds, _ = timed_generate(llm, prompts, params, args.device)
     tps = 8 * 4096 / seconds
     runner = llm.llm_engine.model_runner
-    params_count = runner.weight_bytes / torch.tensor([], dtype=dtype).element_size()
+    layer_params = sum(p.numel() for p in runner.model.model.layers.parameters())
     c = hf_config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     attn_flops = 2 * c.num_hidden_layers * c.num_attention_heads * head_dim * 4096  # causal: half of 4 * L * H * D
-    flops_per_token = 2 * params_count + attn_flops
+    # every token goes through the layers; the LM head runs on each prompt's last token only
+    flops_per_token = 2 * layer_params + attn_flops + 2 * c.vocab_size * c.hidden_size / 4096
     peak = measure_bf16_flops()
     print(header(args, dtype, "8 x 4096-token prompts, max_num_batched_tokens 8192"))
     print("| prefill tok/s | TFLOP/s achieved | bf16 matmul peak TFLOP/s | ratio |\n|---|---|---|---|")

@@ -1,4 +1,6 @@
 """Greedy tokens and logprobs of tiny random-weight Llama / Qwen2 / Qwen3 against HF transformers."""
+import math
+
 import pytest
 import torch
 from helpers import hf_greedy, hf_prompt_logprobs
@@ -58,3 +60,16 @@ def test_sharded_safetensors_load_like_one_file(tiny_model_dir, tmp_path):
     many = LLM(str(sharded), max_model_len=256, kv_cache_memory_bytes=16 << 20)
     assert one.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
         many.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2"])  # tied embedding, untied
+def test_weight_bytes_per_step_count_each_weight_a_step_reads(tiny_model_dir, shape):
+    """The benchmarks' bounds: the tied LM head once; an untied input embedding not at all (a step reads rows)."""
+    from nanovllm.weights.synthetic import _BASE, SHAPES, _tensor_shapes
+
+    config = {**_BASE, **SHAPES[shape]}
+    elements = sum(math.prod(s) for s in _tensor_shapes(config).values())
+    if not config["tie_word_embeddings"]:
+        elements -= config["vocab_size"] * config["hidden_size"]
+    llm = LLM(tiny_model_dir(shape), max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    assert llm.llm_engine.model_runner.weight_bytes == 4 * elements  # fp32

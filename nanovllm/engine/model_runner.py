@@ -64,6 +64,13 @@ class RunnerOutput:
     prompt_logprobs: list[list[TokenLogprobs]]  # per scheduled seq: entries for this step's prompt positions
 
 
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of weights that one step reads: each parameter once (a tied LM head and embedding once), except an
+    input embedding that the LM head does not share: a step reads only its tokens' rows of that."""
+    head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding or p is head)
+
+
 class ModelRunner:
     """Owns the model, the KV cache and the sampler; turns scheduled sequences into new tokens."""
 
@@ -96,7 +103,7 @@ class ModelRunner:
         # on CUDA the LM head runs on row counts padded to these buckets, each warmed up below
         self.logit_row_buckets = graph_batch_sizes(config.max_num_seqs) if self.device.type == "cuda" else None
         self._warm_up_sampling()
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        self.weight_bytes = weight_bytes_per_step(self.model)
         self.kv_bytes_per_token = self.kv_bytes_per_block() // self.block_size
         self.bytes_read = 0  # weights + KV context read by every step so far (benchmarks' HBM roofline)
 
