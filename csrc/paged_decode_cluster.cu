@@ -11,7 +11,10 @@
 // Grid (splits, kv heads, sequences), cluster (splits, 1, 1), 256 threads. Split s of a sequence of L tokens
 // owns positions [s * ceil(L / splits), (s + 1) * ceil(L / splits)) up to L. A CTA holds `cap` positions of K
 // and V at a time; a longer share is done in rounds, the later ones loaded after the wait (correct but slower:
-// the caller sizes cap from max_model_len).
+// the caller sizes cap from max_model_len). After the wait the critical path has two CTA barriers and one
+// cluster barrier: a warp a head row norms and rotates q (and the step's k) into shared memory; then each warp
+// scores, softmaxes and sums V over its own run of positions with its own softmax state (warp shuffles only);
+// the warps' states are combined and pushed to the merging splits.
 // Rounded where the twins round: the q/k RMSNorm and rotary as kernels/rotary.py's rope_rows; the softmax
 // weights rounded to the model dtype before they multiply V (the Triton kernel's tl.dot(p.to(v.dtype), v)).
 // Reference: attention.torch_backend.decode_reference after RotaryEmbedding.forward_native
@@ -48,22 +51,43 @@ namespace {
 using namespace nanovllm;
 namespace cg = cooperative_groups;
 
-constexpr int kThreads = 256;  // two threads a position for the scores, four a pair of dimensions for the sums
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr int kMaxCap = 128;  // positions a CTA holds at once (paged_decode_cluster.py's MAX_CAP)
+constexpr int kMaxPerWarp = kMaxCap / kWarps;
+
+// How the work is laid out. Each warp owns a run of the CTA's positions and keeps its own softmax state, so no
+// block-wide barrier separates scores, softmax and weighted sums (on the H100 the first version's block-wide
+// steps, with a quarter of the threads busy, took ~6 us after the wait for 40 positions). For q.k a position
+// takes kLanes lanes, each holding kLaneDims dimensions of q in registers: half in the first half of the head,
+// half at the same offsets in the second, so each lane holds the rotary pairs (d, d + D/2) it rotates. For P.V
+// every lane holds D/32 consecutive dimensions of the sums.
+template <typename T, int D, int GROUP, int SPLITS>
+struct Layout {
+  static constexpr int kLaneDims = GROUP <= 2 ? 16 : (GROUP == 4 ? 8 : 4);  // at most 32 floats of q a lane
+  static constexpr int kHalf = kLaneDims / 2;
+  static constexpr int kLanes = D / kLaneDims;   // lanes a position
+  static constexpr int kSlots = 32 / kLanes;     // positions a warp scores at once
+  static constexpr int kPvDims = D / 32;
+  static constexpr int kOwned = GROUP * D / SPLITS;  // outputs each split merges and writes
+  static_assert(kLanes <= 32 && 32 % kLanes == 0 && SPLITS <= D && 32 % SPLITS == 0, "layout");
+};
 
 template <typename T, int D, int GROUP, int SPLITS>
 struct Shared {
-  static constexpr int kOwned = GROUP * D / SPLITS;  // outputs each split merges and writes
-  T q[GROUP][D];    // this kv head's query heads, normed and rotated
-  T k_new[D];       // the step's key (normed, rotated) and value, in the split that holds its position
+  using L = Layout<T, D, GROUP, SPLITS>;
+  T cos[D], sin[D], q_norm[D], k_norm[D];  // at the new position; the norms' weights (ones without norms)
+  T q[GROUP][D];  // the group's query heads, normed and rotated
+  T k_new[D];     // the step's key (normed, rotated) and value, in the split that holds its position
   T v_new[D];
-  float red_max[GROUP][kWarps];
-  float red_sum[GROUP][kWarps];
+  float warp_p[kWarps][GROUP][kMaxPerWarp];  // each warp's scores, then its softmax weights
+  float warp_m[kWarps][GROUP];               // each warp's softmax state: max and denominator
+  float warp_l[kWarps][GROUP];
   // what every split of the cluster sends this split for its outputs: softmax state (max, denominator) and the
   // weighted sums of V
   float inbox_m[SPLITS][GROUP];
   float inbox_l[SPLITS][GROUP];
-  float inbox_acc[SPLITS][kOwned];
+  float inbox_acc[SPLITS][L::kOwned];
 };
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -72,10 +96,56 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// N consecutive values of T as one load or store: 4, 8 or 16 bytes
+template <int BYTES> struct Bits;
+template <> struct Bits<4> { using type = unsigned int; };
+template <> struct Bits<8> { using type = uint2; };
+template <> struct Bits<16> { using type = uint4; };
+template <typename T, int N> using Piece = typename Bits<N * sizeof(T)>::type;
+
+template <typename T, int N> union PieceValues {
+  Piece<T, N> bits;
+  uint32_t words[N / 2];
+  T v[N];
+};
+
+template <typename T, int N> __device__ __forceinline__ void unpack(Piece<T, N> bits, float* out) {
+  PieceValues<T, N> u;
+  u.bits = bits;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    const float2 f = to_float2(u.words[i], T());
+    out[2 * i] = f.x, out[2 * i + 1] = f.y;
+  }
+}
+
+template <typename T, int N> __device__ __forceinline__ Piece<T, N> pack(const float* in) {
+  PieceValues<T, N> u;
+#pragma unroll
+  for (int i = 0; i < N; ++i) u.v[i] = from_float<T>(in[i]);
+  return u.bits;
+}
+
 // Rows written by the kernels before are read through L2 only (see gemv_one_row.cu's load_share).
-template <typename T> __device__ __forceinline__ float load_cg(const T* p) {
-  const unsigned short bits = __ldcg(reinterpret_cast<const unsigned short*>(p));
-  return to_float(*reinterpret_cast<const T*>(&bits));
+template <typename T, int N> __device__ __forceinline__ Piece<T, N> load_global(const T* p) {
+  return __ldcg(reinterpret_cast<const Piece<T, N>*>(p));
+}
+
+template <typename T, int N> __device__ __forceinline__ void load_shared(const T* p, float* out) {
+  unpack<T, N>(*reinterpret_cast<const Piece<T, N>*>(p), out);
+}
+
+// sum / max over aligned groups of N lanes (every lane of the warp calls it)
+template <int N> __device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int offset = N / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+template <int N> __device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int offset = N / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
 }
 
 // K and V of positions [r0, r1) of one sequence and kv head into rows 0.. of ks and vs, except position `skip`
@@ -101,89 +171,54 @@ __device__ void copy_rows(T* ks, T* vs, int* pages, const T* k_cache, const T* v
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-// What one lane needs to norm and rotate its E = D / 32 values of a head row at the new position (the rotary
-// tables and norm weights are constant: read before the wait).
-template <typename T, int D>
-struct Rotation {
-  static constexpr int E = D / 32;
-  float cos[E], sin[E], w[E], w_partner[E];  // w: the norm's weight at the lane's values and their partners
-  bool norm;
+// A head row's values at one lane's dimensions (Layout: x[e] at dim o * H + e, x[H + e] at D / 2 + o * H + e), in
+// place: RMS-normed (when norm), then rotated. Rounded as kernels/rotary.py's rope_rows. The lane's group of
+// D / (2 H) lanes holds the whole row.
+template <typename T, int D, int H>
+__device__ __forceinline__ void norm_rotate(float* x, bool norm, const T* norm_w, const T* cos, const T* sin,
+                                            float eps, int o) {
+  constexpr int kLanes = D / (2 * H);
+  if (norm) {
+    float squares = 0.f;
+#pragma unroll
+    for (int e = 0; e < 2 * H; ++e) squares += x[e] * x[e];
+    const float inv_rms = 1.f / sqrtf(group_sum<kLanes>(squares) / D + eps);
+#pragma unroll
+    for (int e = 0; e < H; ++e) {
+      x[e] = round_to<T>(round_to<T>(x[e] * inv_rms) * to_float(norm_w[o * H + e]));
+      x[H + e] = round_to<T>(round_to<T>(x[H + e] * inv_rms) * to_float(norm_w[D / 2 + o * H + e]));
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < H; ++e) {
+    const int d1 = o * H + e, d2 = D / 2 + d1;
+    const float a = x[e], b = x[H + e];
+    x[e] = round_to<T>(round_to<T>(a * to_float(cos[d1])) - round_to<T>(b * to_float(sin[d1])));
+    x[H + e] = round_to<T>(round_to<T>(b * to_float(cos[d2])) + round_to<T>(a * to_float(sin[d2])));
+  }
+}
 
-  __device__ void load(const Params& p, const void* norm_w, int pos) {
-    const int d0 = (threadIdx.x % 32) * E, p0 = (d0 + D / 2) % D;
-    norm = norm_w != nullptr;
-    const T* cos_row = static_cast<const T*>(p.cos) + static_cast<int64_t>(pos) * D;
-    const T* sin_row = static_cast<const T*>(p.sin) + static_cast<int64_t>(pos) * D;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      cos[e] = to_float(cos_row[d0 + e]);
-      sin[e] = to_float(sin_row[d0 + e]);
-      w[e] = norm ? to_float(static_cast<const T*>(norm_w)[d0 + e]) : 1.f;
-      w_partner[e] = norm ? to_float(static_cast<const T*>(norm_w)[p0 + e]) : 1.f;
-    }
-  }
-
-  // One warp: the head row src (written by the kernel before), normed and rotated, into dst (shared memory)
-  // and, when given, into cache_dst (global).
-  __device__ void apply(const T* src, float eps, T* dst, T* cache_dst) const {
-    const int d0 = (threadIdx.x % 32) * E, p0 = (d0 + D / 2) % D;
-    float a[E], b[E], squares = 0.f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      a[e] = load_cg(src + d0 + e);
-      b[e] = load_cg(src + p0 + e);
-      squares += a[e] * a[e];
-    }
-    if (norm) {
-      const float inv_rms = 1.f / sqrtf(warp_sum(squares) / D + eps);
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        a[e] = round_to<T>(round_to<T>(a[e] * inv_rms) * w[e]);
-        b[e] = round_to<T>(round_to<T>(b[e] * inv_rms) * w_partner[e]);
-      }
-    }
-    const float sign = d0 < D / 2 ? -1.f : 1.f;  // the first half takes -x2 * sin, the second +x1 * sin
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const T v = from_float<T>(round_to<T>(a[e] * cos[e]) + sign * round_to<T>(b[e] * sin[e]));
-      dst[d0 + e] = v;
-      if (cache_dst != nullptr) cache_dst[d0 + e] = v;
-    }
-  }
-};
-
-// Per query head of the group, the block-wide max (red = sh.red_max) or sum (sh.red_sum) of each thread's value.
-template <int GROUP, bool MAX>
-__device__ __forceinline__ void block_reduce(float (&v)[GROUP], float (&red)[GROUP][kWarps]) {
-#pragma unroll
-  for (int g = 0; g < GROUP; ++g) {
-    const float w = MAX ? warp_max(v[g]) : warp_sum(v[g]);
-    if (threadIdx.x % 32 == 0) red[g][threadIdx.x / 32] = w;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int g = 0; g < GROUP; ++g) {
-    v[g] = red[g][0];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) v[g] = MAX ? fmaxf(v[g], red[g][w]) : v[g] + red[g][w];
-  }
+// A lane's two pieces of a head row (global, written by the kernel before) as floats.
+template <typename T, int D, int H> __device__ __forceinline__ void load_lane_dims(const T* row, int o, float* x) {
+  unpack<T, H>(load_global<T, H>(row + o * H), x);
+  unpack<T, H>(load_global<T, H>(row + D / 2 + o * H), x + H);
 }
 
 template <typename T, int D, int GROUP, int SPLITS>
 __global__ void __launch_bounds__(kThreads) paged_decode_cluster_kernel(const Params p) {
+  using L = Layout<T, D, GROUP, SPLITS>;
   using Sh = Shared<T, D, GROUP, SPLITS>;
+  constexpr int H = L::kHalf;
   __shared__ __align__(16) Sh sh;
   extern __shared__ __align__(16) unsigned char smem[];
-  // [cap, D] keys, [cap, D] values, [GROUP, cap] scores (then softmax weights), [kRowGroups, GROUP, D] sums,
-  // [cap + 1] block numbers
+  // [cap, D] keys, [cap, D] values, [kWarps, GROUP, D] each warp's weighted sums, [cap + 1] block numbers
   T* ks = reinterpret_cast<T*>(smem);
   T* vs = ks + p.cap * D;
-  float* scores = reinterpret_cast<float*>(vs + p.cap * D);
-  constexpr int kWords = D / 2;                   // a row as pairs of values
-  constexpr int kRowGroups = kThreads / kWords;   // threads that share a pair of dimensions, over rows
-  float* sums = scores + GROUP * p.cap;
-  int* pages = reinterpret_cast<int*>(sums + kRowGroups * GROUP * D);
+  float* warp_acc = reinterpret_cast<float*>(vs + p.cap * D);
+  int* pages = reinterpret_cast<int*>(warp_acc + kWarps * GROUP * D);
   const int split = blockIdx.x, kv_head = blockIdx.y, seq = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int slot = lane / L::kLanes, o = lane % L::kLanes;  // q.k: the lane's position in a pass, its dims
   T* k_cache = static_cast<T*>(p.k_cache);
   T* v_cache = static_cast<T*>(p.v_cache);
   const int* table = p.block_tables + seq * p.stride_bt;
@@ -191,162 +226,185 @@ __global__ void __launch_bounds__(kThreads) paged_decode_cluster_kernel(const Pa
   const int share = (seq_len + SPLITS - 1) / SPLITS;
   const int start = min(split * share, seq_len), end = min(start + share, seq_len);
   const bool holds_new = start <= last && last < end;
+  const bool q_norm = p.q_norm_w != nullptr, k_norm = p.k_norm_w != nullptr;
 
+  // Before the wait: nothing here reads what the kernel before writes.
   launch_dependents();  // now: the next kernel's CTAs start their own loads beside this one's
   copy_rows<T, D>(ks, vs, pages, k_cache, v_cache, table, p, kv_head, start, min(end, start + p.cap), last);
-  Rotation<T, D> q_rot, k_rot;
   if (last >= 0) {
-    q_rot.load(p, p.q_norm_w, last);
-    k_rot.load(p, p.k_norm_w, last);
+    const T* cos_row = static_cast<const T*>(p.cos) + static_cast<int64_t>(last) * D;
+    const T* sin_row = static_cast<const T*>(p.sin) + static_cast<int64_t>(last) * D;
+    for (int d = threadIdx.x; d < D; d += kThreads) {
+      sh.cos[d] = cos_row[d], sh.sin[d] = sin_row[d];
+      sh.q_norm[d] = q_norm ? static_cast<const T*>(p.q_norm_w)[d] : from_float<T>(1.f);
+      sh.k_norm[d] = k_norm ? static_cast<const T*>(p.k_norm_w)[d] : from_float<T>(1.f);
+    }
   }
   int64_t new_at = 0;  // where this step's key and value go in the caches
   if (holds_new) {
-    const int64_t slot = __ldcg(p.slot_mapping + seq);
-    new_at = (slot / p.page) * p.stride_cb + (slot % p.page) * p.stride_cs + kv_head * p.stride_ch;
-  }
-  wait_for_prior_kernel();  // q, k and v of this step are its output
-
-  const int warp = threadIdx.x / 32;
-  const T* q = static_cast<const T*>(p.q) + seq * p.stride_qt + kv_head * GROUP * p.stride_qh;
-  for (int row = warp; row < GROUP + (holds_new ? 1 : 0); row += kWarps) {
-    if (row < GROUP)
-      q_rot.apply(q + row * p.stride_qh, p.eps, sh.q[row], nullptr);
-    else
-      k_rot.apply(static_cast<const T*>(p.k_new) + seq * p.stride_knt + kv_head * D, p.eps, sh.k_new, k_cache + new_at);
-  }
-  if (holds_new) {
-    const uint4* v_row = reinterpret_cast<const uint4*>(static_cast<const T*>(p.v_new) + seq * p.stride_vnt + kv_head * D);
-    for (int c = threadIdx.x; c < D / 8; c += kThreads) {
-      const uint4 v = __ldcg(v_row + c);
-      reinterpret_cast<uint4*>(sh.v_new)[c] = v;
-      reinterpret_cast<uint4*>(v_cache + new_at)[c] = v;
-    }
+    const int64_t slot_new = __ldcg(p.slot_mapping + seq);
+    new_at = (slot_new / p.page) * p.stride_cb + (slot_new % p.page) * p.stride_cs + kv_head * p.stride_ch;
   }
   wait_copies();
   __syncthreads();
+  wait_for_prior_kernel();  // q, k and v of this step are its output
 
-  const int word = threadIdx.x % kWords, row_group = threadIdx.x / kWords;  // the sum of weighted values
-  float m_run[GROUP], l_run[GROUP];
-  float2 acc[GROUP];
+  // q and the step's k normed and rotated, a warp a head row (kRopeLanes lanes, 2 + 2 dims each), into shared
+  // memory with the step's v; k and v also into the caches
+  constexpr int kRopeLanes = D / 4;
+  const int rows = GROUP + (holds_new ? 1 : 0);
+  for (int row = warp; row < rows; row += kWarps) {
+    const bool is_k = row == GROUP;
+    const T* src = is_k ? static_cast<const T*>(p.k_new) + seq * p.stride_knt + kv_head * D
+                        : static_cast<const T*>(p.q) + seq * p.stride_qt + (kv_head * GROUP + row) * p.stride_qh;
+    const int ro = lane % kRopeLanes;
+    float x[4];
+    load_lane_dims<T, D, 2>(src, ro, x);
+    Piece<T, 4> v{};
+    if (is_k) v = load_global<T, 4>(static_cast<const T*>(p.v_new) + seq * p.stride_vnt + kv_head * D + ro * 4);
+    norm_rotate<T, D, 2>(x, is_k ? k_norm : q_norm, is_k ? sh.k_norm : sh.q_norm, sh.cos, sh.sin, p.eps, ro);
+    T* dst = is_k ? sh.k_new : sh.q[row];
+    if (lane < kRopeLanes) {
+      *reinterpret_cast<Piece<T, 2>*>(dst + ro * 2) = pack<T, 2>(x);
+      *reinterpret_cast<Piece<T, 2>*>(dst + D / 2 + ro * 2) = pack<T, 2>(x + 2);
+      if (is_k) {
+        *reinterpret_cast<Piece<T, 2>*>(k_cache + new_at + ro * 2) = pack<T, 2>(x);
+        *reinterpret_cast<Piece<T, 2>*>(k_cache + new_at + D / 2 + ro * 2) = pack<T, 2>(x + 2);
+        *reinterpret_cast<Piece<T, 4>*>(sh.v_new + ro * 4) = v;
+        *reinterpret_cast<Piece<T, 4>*>(v_cache + new_at + ro * 4) = v;
+      }
+    }
+  }
+  __syncthreads();
+  float q[GROUP][L::kLaneDims];  // at this lane's dims (Layout)
 #pragma unroll
-  for (int g = 0; g < GROUP; ++g) m_run[g] = -INFINITY, l_run[g] = 0.f, acc[g] = make_float2(0.f, 0.f);
+  for (int g = 0; g < GROUP; ++g) {
+    load_shared<T, H>(sh.q[g] + o * H, q[g]);
+    load_shared<T, H>(sh.q[g] + D / 2 + o * H, q[g] + H);
+  }
+
+  float m_run[GROUP], l_run[GROUP], acc[GROUP][L::kPvDims];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    m_run[g] = -INFINITY, l_run[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < L::kPvDims; ++e) acc[g][e] = 0.f;
+  }
+  float (*wp)[kMaxPerWarp] = sh.warp_p[warp];
 
   for (int r0 = start; r0 < end; r0 += p.cap) {
     const int n = min(end - r0, p.cap);
     if (r0 != start) {  // a later round: its rows load after the wait
-      __syncthreads();  // every thread is done with the previous round's rows
+      __syncthreads();  // every warp is done with the previous round's rows
       copy_rows<T, D>(ks, vs, pages, k_cache, v_cache, table, p, kv_head, r0, r0 + n, last);
       wait_copies();
       __syncthreads();
     }
-    // scores: two threads a position, each on half of the row; word (j + lane) % kHalf of its half, so that a
-    // warp's lanes hit distinct banks
-    float m_new[GROUP];
+    const int per_warp = (n + kWarps - 1) / kWarps;
+    const int first = warp * per_warp, count = max(0, min(n - first, per_warp));  // this warp's rows
+
+    // scores, kSlots positions at a time
+    for (int i0 = 0; i0 < count; i0 += L::kSlots) {
+      const int i = i0 + slot, r = first + i;
+      float kx[L::kLaneDims];
+      const bool valid = i < count;
+      if (valid) {
+        const T* key = r0 + r == last ? sh.k_new : ks + r * D;
+        load_shared<T, H>(key + o * H, kx);
+        load_shared<T, H>(key + D / 2 + o * H, kx + H);
+      } else {
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) m_new[g] = -INFINITY;
-    constexpr int kHalf = kWords / 2;
-    const int half = threadIdx.x % 2, lane = threadIdx.x % 32;
-    for (int r_base = 0; r_base < n; r_base += kThreads / 2) {  // the same trip count in every thread: shuffles
-      const int r = r_base + threadIdx.x / 2;
-      float s[GROUP][2] = {};
-      if (r < n) {
-        const uint32_t* key = reinterpret_cast<const uint32_t*>(r0 + r == last ? sh.k_new : ks + r * D);
-#pragma unroll 8
-        for (int j = 0; j < kHalf; ++j) {
-          const int w = half * kHalf + (j + lane) % kHalf;
-          const float2 k2 = to_float2(key[w], T());
-#pragma unroll
-          for (int g = 0; g < GROUP; ++g) {
-            const float2 q2 = to_float2(reinterpret_cast<const uint32_t*>(sh.q[g])[w], T());
-            s[g][j % 2] += q2.x * k2.x + q2.y * k2.y;
-          }
-        }
+        for (int e = 0; e < L::kLaneDims; ++e) kx[e] = 0.f;
       }
 #pragma unroll
       for (int g = 0; g < GROUP; ++g) {
-        float score = s[g][0] + s[g][1];
-        score = (score + __shfl_xor_sync(0xffffffffu, score, 1)) * p.scale;
-        if (r < n) {
-          if (half == 0) scores[g * p.cap + r] = score;
-          m_new[g] = fmaxf(m_new[g], score);
-        }
+        float s0 = 0.f, s1 = 0.f;  // two chains
+#pragma unroll
+        for (int e = 0; e < L::kLaneDims; e += 2) s0 += q[g][e] * kx[e], s1 += q[g][e + 1] * kx[e + 1];
+        const float s = group_sum<L::kLanes>(s0 + s1) * p.scale;
+        if (valid && o == 0) wp[g][i] = s;
       }
     }
-    block_reduce<GROUP, true>(m_new, sh.red_max);
-    float l_new[GROUP] = {};
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) m_new[g] = fmaxf(m_new[g], m_run[g]);
-    for (int r = threadIdx.x; r < n; r += kThreads) {
-#pragma unroll
-      for (int g = 0; g < GROUP; ++g) {
-        const float weight = expf(scores[g * p.cap + r] - m_new[g]);
-        scores[g * p.cap + r] = round_to<T>(weight);  // as it multiplies V
-        l_new[g] += weight;
-      }
-    }
-    block_reduce<GROUP, false>(l_new, sh.red_sum);
+    __syncwarp();
+    // the warp's softmax state over its rows (lane i holds row i), merged with its earlier rounds'
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
-      const float alpha = expf(m_run[g] - m_new[g]);
-      acc[g].x *= alpha, acc[g].y *= alpha;
-      l_run[g] = l_run[g] * alpha + l_new[g];
-      m_run[g] = m_new[g];
+      const float s = lane < count ? wp[g][lane] : -INFINITY;
+      const float m_new = fmaxf(m_run[g], warp_max(s));
+      const float weight = lane < count ? __expf(s - m_new) : 0.f;
+      if (lane < count) wp[g][lane] = round_to<T>(weight);  // as it multiplies V
+      const float alpha = m_run[g] == -INFINITY ? 0.f : __expf(m_run[g] - m_new);
+      l_run[g] = l_run[g] * alpha + warp_sum(weight);
+      m_run[g] = m_new;
+#pragma unroll
+      for (int e = 0; e < L::kPvDims; ++e) acc[g][e] *= alpha;
     }
-#pragma unroll 4
-    for (int r = row_group; r < n; r += kRowGroups) {
-      const T* value = r0 + r == last ? sh.v_new : vs + r * D;
-      const float2 v2 = to_float2(reinterpret_cast<const uint32_t*>(value)[word], T());
+    __syncwarp();
+    // weighted sums of V over the warp's rows, D / 32 dimensions a lane
+    for (int i = 0; i < count; ++i) {
+      const int r = first + i;
+      float v[L::kPvDims];
+      load_shared<T, L::kPvDims>((r0 + r == last ? sh.v_new : vs + r * D) + lane * L::kPvDims, v);
 #pragma unroll
       for (int g = 0; g < GROUP; ++g) {
-        const float weight = scores[g * p.cap + r];
-        acc[g].x += weight * v2.x, acc[g].y += weight * v2.y;
+        const float weight = wp[g][i];
+#pragma unroll
+        for (int e = 0; e < L::kPvDims; ++e) acc[g][e] += weight * v[e];
       }
     }
   }
 
-  // the row groups' sums, added per output; then each output goes to the split that merges it (its inbox, in
-  // that CTA's shared memory), with this split's softmax state
+  // the warps' states into one for the CTA; each output goes to the split that merges it (its inbox, in that
+  // CTA's shared memory), with this split's softmax state
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) sh.warp_m[warp][g] = m_run[g], sh.warp_l[warp][g] = l_run[g];
+  }
 #pragma unroll
   for (int g = 0; g < GROUP; ++g)
-    reinterpret_cast<float2*>(sums + (row_group * GROUP + g) * D)[word] = acc[g];
+#pragma unroll
+    for (int e = 0; e < L::kPvDims; ++e) warp_acc[(warp * GROUP + g) * D + lane * L::kPvDims + e] = acc[g][e];
   __syncthreads();
   cg::cluster_group cluster = cg::this_cluster();
-  for (int i = threadIdx.x; i < GROUP * D; i += kThreads) {
-    float total = 0.f;
+  for (int item = threadIdx.x; item < GROUP * D; item += kThreads) {
+    const int g = item / D, d = item % D;
+    float m = -INFINITY;
 #pragma unroll
-    for (int rg = 0; rg < kRowGroups; ++rg) total += sums[rg * GROUP * D + i];
-    cluster.map_shared_rank(&sh, i / Sh::kOwned)->inbox_acc[split][i % Sh::kOwned] = total;
-  }
-  if (threadIdx.x < SPLITS) {
-    Sh* peer = cluster.map_shared_rank(&sh, threadIdx.x);
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, sh.warp_m[w][g]);
+    float sum = 0.f, l = 0.f;
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) peer->inbox_m[split][g] = m_run[g], peer->inbox_l[split][g] = l_run[g];
+    for (int w = 0; w < kWarps; ++w) {
+      const float lw = sh.warp_l[w][g];
+      const float weight = lw > 0.f ? __expf(sh.warp_m[w][g] - m) : 0.f;  // a warp with no rows weighs nothing
+      sum += weight * warp_acc[(w * GROUP + g) * D + d];
+      l += weight * lw;
+    }
+    cluster.map_shared_rank(&sh, item / L::kOwned)->inbox_acc[split][item % L::kOwned] = sum;
+    if (d < SPLITS) {
+      Sh* peer = cluster.map_shared_rank(&sh, d);
+      peer->inbox_m[split][g] = m, peer->inbox_l[split][g] = l;
+    }
   }
   cluster.sync();  // every split's sends have landed
+  // merge: SPLITS lanes an output, one a split
   T* out = static_cast<T*>(p.out) + seq * p.stride_ot + kv_head * GROUP * p.stride_oh;
-  for (int i = threadIdx.x; i < Sh::kOwned; i += kThreads) {
-    const int item = split * Sh::kOwned + i, g = item / D, d = item % D;
-    float m_max = -INFINITY;
-#pragma unroll
-    for (int s = 0; s < SPLITS; ++s) m_max = fmaxf(m_max, sh.inbox_m[s][g]);
-    float num = 0.f, den = 0.f;
-#pragma unroll
-    for (int s = 0; s < SPLITS; ++s) {
-      const float l = sh.inbox_l[s][g];
-      const float weight = l > 0.f ? expf(sh.inbox_m[s][g] - m_max) : 0.f;  // an empty split weighs nothing
-      num += weight * sh.inbox_acc[s][i];
-      den += weight * l;
-    }
-    out[g * p.stride_oh + d] = from_float<T>(den > 0.f ? num / den : 0.f);
+  for (int pair = threadIdx.x; pair < L::kOwned * SPLITS; pair += kThreads) {
+    const int i = pair / SPLITS, s = pair % SPLITS;
+    const int item = split * L::kOwned + i, g = item / D, d = item % D;
+    const float m = sh.inbox_m[s][g], l = sh.inbox_l[s][g];
+    const float m_max = group_max<SPLITS>(m);
+    const float weight = l > 0.f ? __expf(m - m_max) : 0.f;  // an empty split weighs nothing
+    const float num = group_sum<SPLITS>(weight * sh.inbox_acc[s][i]), den = group_sum<SPLITS>(weight * l);
+    if (s == 0) out[g * p.stride_oh + d] = from_float<T>(den > 0.f ? num / den : 0.f);
   }
 }
 
 template <typename T, int D, int GROUP, int SPLITS>
 cudaError_t launch(const Params& p, int kv_heads, int seqs, int pdl, cudaStream_t stream) {
   auto kernel = paged_decode_cluster_kernel<T, D, GROUP, SPLITS>;
-  constexpr int kRowGroups = kThreads / (D / 2);
-  const size_t smem = static_cast<size_t>(p.cap) * (2 * D * sizeof(T) + GROUP * sizeof(float))
-                      + kRowGroups * GROUP * D * sizeof(float) + (p.cap + 1) * sizeof(int);
+  if (p.cap > kMaxCap) return cudaErrorInvalidValue;
+  const size_t smem = static_cast<size_t>(p.cap) * 2 * D * sizeof(T) + kWarps * GROUP * D * sizeof(float)
+                      + (p.cap + 1) * sizeof(int);
   static size_t smem_allowed = 0;  // raised once per instance, to the largest asked so far
   if (smem > smem_allowed) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));

@@ -94,6 +94,8 @@ def paged_decode_cluster(q, k_new, v_new, k_cache, v_cache, block_tables, seq_le
     assert takes(q, k_cache, B) and rope.cos.is_contiguous() and rope.cos.shape[1] == D
     assert q.stride(2) == 1 and k_new.stride(1) == D and k_new.stride(2) == 1 and v_new.stride(1) == D
     assert v_new.stride(2) == 1 and slot_mapping.dtype == torch.int64 and block_tables.dtype == torch.int32
+    # the kernel reads head rows in 4- to 16-byte pieces
+    assert all(t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 for t in (q, k_new, v_new)) and q.stride(1) % 8 == 0
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device) if out is None else out
     ptr = cuda_library.pointer
     params = _Params(q.data_ptr(), k_new.data_ptr(), v_new.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
