@@ -25,3 +25,14 @@ def test_off_without_a_gpu_or_when_switched_off(monkeypatch):
     assert cuda_library.why_unavailable("gemv_one_row", torch.device("cpu"), "NANOVLLM_X") == "no CUDA GPU"
     monkeypatch.setenv("NANOVLLM_X", "0")
     assert cuda_library.why_unavailable("gemv_one_row", torch.device("cuda"), "NANOVLLM_X") == "NANOVLLM_X=0"
+
+
+def test_kernel_phases_script_finds_its_anchors(monkeypatch):
+    """scripts/kernel_phases.py stamps the kernels at lines of their source: an edit that moves one must update
+    the script (stamped() asserts that each anchor occurs once)."""
+    monkeypatch.syspath_prepend(str(cuda_library.CSRC.parent / "scripts"))
+    import kernel_phases
+
+    for name, stamps in (("gemv_one_row", kernel_phases.GEMV_STAMPS),
+                         ("paged_decode_cluster", kernel_phases.ATTENTION_STAMPS)):
+        assert kernel_phases.stamped(name, stamps).count("STAMP(") == len(stamps) + 1  # and the macro
