@@ -34,15 +34,21 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+// sum / max over aligned groups of N lanes (every lane of the warp calls it)
+template <int N> __device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int offset = N / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+template <int N> __device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int offset = N / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
 }
+
+__device__ __forceinline__ float warp_sum(float v) { return group_sum<32>(v); }
+__device__ __forceinline__ float warp_max(float v) { return group_max<32>(v); }
 
 // Programmatic dependent launch: let the next kernel in the stream launch now (its CTAs start once every CTA of
 // this one has said so, and still wait for this one to complete before they read what it writes).

@@ -135,19 +135,6 @@ template <typename T, int N> __device__ __forceinline__ void load_shared(const T
   unpack<T, N>(*reinterpret_cast<const Piece<T, N>*>(p), out);
 }
 
-// sum / max over aligned groups of N lanes (every lane of the warp calls it)
-template <int N> __device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-  for (int offset = N / 2; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-template <int N> __device__ __forceinline__ float group_max(float v) {
-#pragma unroll
-  for (int offset = N / 2; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-
 // K and V of positions [r0, r1) of one sequence and kv head into rows 0.. of ks and vs, except position `skip`
 // (this step's, not in the cache yet). The block numbers are staged in `pages` first, so that no copy waits on
 // a table read. Asynchronous: wait_copies() before reading the rows.
