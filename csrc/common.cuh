@@ -50,6 +50,74 @@ template <int N> __device__ __forceinline__ float group_max(float v) {
 __device__ __forceinline__ float warp_sum(float v) { return group_sum<32>(v); }
 __device__ __forceinline__ float warp_max(float v) { return group_max<32>(v); }
 
+// N consecutive values of T as one load or store: 4, 8 or 16 bytes
+template <int BYTES> struct Bits;
+template <> struct Bits<4> { using type = unsigned int; };
+template <> struct Bits<8> { using type = uint2; };
+template <> struct Bits<16> { using type = uint4; };
+template <typename T, int N> using Piece = typename Bits<N * sizeof(T)>::type;
+
+template <typename T, int N> union PieceValues {
+  Piece<T, N> bits;
+  uint32_t words[N / 2];
+  T v[N];
+};
+
+template <typename T, int N> __device__ __forceinline__ void unpack(Piece<T, N> bits, float* out) {
+  PieceValues<T, N> u;
+  u.bits = bits;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) {
+    const float2 f = to_float2(u.words[i], T());
+    out[2 * i] = f.x, out[2 * i + 1] = f.y;
+  }
+}
+
+template <typename T, int N> __device__ __forceinline__ Piece<T, N> pack(const float* in) {
+  PieceValues<T, N> u;
+#pragma unroll
+  for (int i = 0; i < N; ++i) u.v[i] = from_float<T>(in[i]);
+  return u.bits;
+}
+
+// Rows written by the kernels before are read through L2 only (see gemv_one_row.cu's load_share).
+template <typename T, int N> __device__ __forceinline__ Piece<T, N> load_global(const T* p) {
+  return __ldcg(reinterpret_cast<const Piece<T, N>*>(p));
+}
+
+// A head row's values at one lane's dimensions (Layout: x[e] at dim o * H + e, x[H + e] at D / 2 + o * H + e), in
+// place: RMS-normed (when norm), then rotated. Rounded as kernels/rotary.py's rope_rows. The lane's group of
+// D / (2 H) lanes holds the whole row.
+template <typename T, int D, int H>
+__device__ __forceinline__ void norm_rotate(float* x, bool norm, const T* norm_w, const T* cos, const T* sin,
+                                            float eps, int o) {
+  constexpr int kLanes = D / (2 * H);
+  if (norm) {
+    float squares = 0.f;
+#pragma unroll
+    for (int e = 0; e < 2 * H; ++e) squares += x[e] * x[e];
+    const float inv_rms = 1.f / sqrtf(group_sum<kLanes>(squares) / D + eps);
+#pragma unroll
+    for (int e = 0; e < H; ++e) {
+      x[e] = round_to<T>(round_to<T>(x[e] * inv_rms) * to_float(norm_w[o * H + e]));
+      x[H + e] = round_to<T>(round_to<T>(x[H + e] * inv_rms) * to_float(norm_w[D / 2 + o * H + e]));
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < H; ++e) {
+    const int d1 = o * H + e, d2 = D / 2 + d1;
+    const float a = x[e], b = x[H + e];
+    x[e] = round_to<T>(round_to<T>(a * to_float(cos[d1])) - round_to<T>(b * to_float(sin[d1])));
+    x[H + e] = round_to<T>(round_to<T>(b * to_float(cos[d2])) + round_to<T>(a * to_float(sin[d2])));
+  }
+}
+
+// A lane's two pieces of a head row (global, written by the kernel before) as floats.
+template <typename T, int D, int H> __device__ __forceinline__ void load_lane_dims(const T* row, int o, float* x) {
+  unpack<T, H>(load_global<T, H>(row + o * H), x);
+  unpack<T, H>(load_global<T, H>(row + D / 2 + o * H), x + H);
+}
+
 // Programmatic dependent launch: let the next kernel in the stream launch now (its CTAs start once every CTA of
 // this one has said so, and still wait for this one to complete before they read what it writes).
 __device__ __forceinline__ void launch_dependents() {
