@@ -5,7 +5,8 @@ import torch
 
 from nanovllm.kernels import cuda_library
 
-SOURCES = {"gemv_one_row": "nanovllm_gemv_one_row", "paged_decode_cluster": "nanovllm_paged_decode_cluster"}
+SOURCES = {"decode_layers": "nanovllm_decode_layers", "gemv_one_row": "nanovllm_gemv_one_row",
+           "paged_decode_cluster": "nanovllm_paged_decode_cluster"}
 
 
 @pytest.mark.skipif(cuda_library.nvcc() is None, reason="no nvcc on this machine")

@@ -9,8 +9,8 @@ from nanovllm.config import Config
 from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.cuda_graph import CUDAGraphRunner, PrefillCUDAGraphRunner, graph_batch_sizes
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kernels import decode_layers, gemv_one_row, pdl
 from nanovllm.kernels import gemv as gemv_kernels
-from nanovllm.kernels import gemv_one_row, pdl
 from nanovllm.kernels.paged_attention import prefill_tile_tokens, prefill_tiles
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
@@ -96,6 +96,7 @@ class ModelRunner:
         self._choose_layer_kernels()
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        self._choose_decode_layers()
         if self.device.type == "cpu":
             keep_freed_memory()  # after loading: load-time temporaries are returned to the OS as before
         self.sampler = Sampler(use_triton=self.fast_kernels)
@@ -211,6 +212,16 @@ class ModelRunner:
             off = pdl.why_off(self.device)
             log_once("Triton kernels use programmatic dependent launch" if off is None else
                      f"programmatic dependent launch is off ({off}): kernels launch one after another")
+
+    def _choose_decode_layers(self):
+        """bs=1 decode steps run every layer in one persistent kernel where it can (kernels/decode_layers.py)."""
+        if not self.fast_kernels or self.dtype == torch.float32:
+            return
+        reason = decode_layers.why_not(self.model, self.config.model_config.max_model_len, self.dtype, self.device)
+        if reason is not None:
+            log_once(f"bs=1 decode steps run the layers kernel by kernel: the one-kernel path is off ({reason})")
+            return
+        self.model.model.decode_layers = decode_layers.DecodeLayers(self.model)
 
     # ---- KV cache -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
