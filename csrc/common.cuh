@@ -118,6 +118,21 @@ template <typename T, int D, int H> __device__ __forceinline__ void load_lane_di
   unpack<T, H>(load_global<T, H>(row + D / 2 + o * H), x + H);
 }
 
+// A thread's packs of a row of K (packs threadIdx.x + i * STRIDE) normed as HF's RMSNorm rounds (the normed value
+// in T, times the weight's packs in `scale`), into xs.
+template <typename T, int N, int STRIDE>
+__device__ __forceinline__ void store_normed(T* xs, Pack<T> (&x)[N], const Pack<T> (&scale)[N], int K, float inv_rms) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const int v = threadIdx.x + STRIDE * i;
+    if (v >= K / 8) break;
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      x[i].v[e] = from_float<T>(to_float(scale[i].v[e]) * round_to<T>(to_float(x[i].v[e]) * inv_rms));
+    reinterpret_cast<uint4*>(xs)[v] = x[i].bits;
+  }
+}
+
 // Programmatic dependent launch: let the next kernel in the stream launch now (its CTAs start once every CTA of
 // this one has said so, and still wait for this one to complete before they read what it writes).
 __device__ __forceinline__ void launch_dependents() {

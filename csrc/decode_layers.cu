@@ -304,16 +304,7 @@ __device__ void stage_input(const Params& p, int stage, int k, T* xs, float* squ
   float total = 0.f;
 #pragma unroll
   for (int w = 0; w < kConsumerWarps; ++w) total += squares[w];
-  const float inv_rms = rsqrtf(total / k + p.eps);
-#pragma unroll
-  for (int i = 0; i < kMaxNormPacks; ++i) {
-    const int v = threadIdx.x + i * kConsumers;
-    if (v >= packs) break;
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      x[i].v[e] = from_float<T>(to_float(scale[i].v[e]) * round_to<T>(to_float(x[i].v[e]) * inv_rms));
-    reinterpret_cast<uint4*>(xs)[v] = x[i].bits;
-  }
+  store_normed<T, kMaxNormPacks, kConsumers>(xs, x, scale, k, rsqrtf(total / k + p.eps));
   consumer_sync();
 }
 

@@ -120,16 +120,7 @@ __device__ void stage_input(T* xs, float* warp_squares, const Pack<T> (&scale)[k
     float total = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) total += warp_squares[w];
-    const float inv_rms = rsqrtf(total / K + eps);
-#pragma unroll
-    for (int i = 0; i < kMaxShare; ++i) {
-      const int v = threadIdx.x + kThreads * i;
-      if (v >= K / 8) break;
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-        a[i].v[e] = from_float<T>(to_float(scale[i].v[e]) * round_to<T>(to_float(a[i].v[e]) * inv_rms));
-      reinterpret_cast<uint4*>(xs)[v] = a[i].bits;
-    }
+    store_normed<T, kMaxShare, kThreads>(xs, a, scale, K, rsqrtf(total / K + eps));
   }
   __syncthreads();
 }
