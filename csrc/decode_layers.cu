@@ -83,8 +83,9 @@ enum Stage { QKV = 0, ATTN = 1, O = 2, GU = 3, DOWN = 4, kStages = 5 };
 // before has published, input staged, tiles done}; attention at kAttnStamp + {begins, qkv published, keys and
 // values landed, partial written, counted, merged}; the producer at kProducerStamp + j (stage j's first tile
 // issued) and kProducerStamp + 4 (keys and values issued); stage j's first tile landed at kTileStamp + j, done at
-// kTileStamp + 4 + j.
-constexpr int kStampEvents = 48, kAttnStamp = 16, kProducerStamp = 22, kTileStamp = 27;
+// kTileStamp + 4 + j; inside that tile: its addends read at kTileStamp + 16 + j, its products at + 8 + j, summed
+// at + 12 + j.
+constexpr int kStampEvents = 64, kAttnStamp = 16, kProducerStamp = 22, kTileStamp = 27;
 
 __device__ __forceinline__ int stamp_stage(int stage) { return stage == QKV ? 0 : stage - 1; }
 
@@ -126,24 +127,31 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
                ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
 
-// Consumers: until *counter >= target (the stage before has published), then its writes are visible. Spins on
-// relaxed loads (an acquire load each turn would also drop this SM's L1 each turn), then one fence.
+// Consumers: until *counter >= target (the stage before has published), then its writes are visible: a relaxed
+// spin, then one acquiring load (an acquire each turn would drop this SM's L1 each turn), as CUTLASS's barriers.
 __device__ __forceinline__ void wait_count(const unsigned* counter, unsigned target) {
   if (threadIdx.x == 0) {
-    while (*reinterpret_cast<const volatile unsigned*>(counter) < target) {
-    }
-    __threadfence();
+    unsigned seen;
+    do {
+      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    } while (seen < target);
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
   }
   consumer_sync();
 }
 
-// Consumers: every consumer's writes before this call are visible to whoever sees *counter grow by n.
+// Consumers: every consumer's writes before this call are visible to whoever sees *counter grow by n (the CTA
+// barrier, then a releasing add: no full fence).
 __device__ __forceinline__ void publish(unsigned* counter, unsigned n) {
   consumer_sync();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(counter, n);
-  }
+  if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(counter), "r"(n) : "memory");
+}
+
+// The value before adding 1, releasing this CTA's writes and acquiring those of the adds before it.
+__device__ __forceinline__ unsigned count_in(unsigned* counter) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+  return old;
 }
 
 // The CTA's plan: the layer's tile counts per stage and where each stage's tiles start in the layer's numbering.
@@ -336,25 +344,29 @@ __device__ __forceinline__ void write_output(const Params& p, int stage, int row
 // memory.
 template <typename T>
 __device__ void consume_tile(const Params& p, const LayerWeights& lw, int stage, int n, int k, int rows, int t,
-                             const T* ws, const T* xs, uint64_t* empty, float (*partial)[2]) {
+                             const T* ws, const T* xs, uint64_t* empty, float (*partial)[2], int layer, bool first) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const bool stamps = first && threadIdx.x == 0;
   const int row0 = t * rows, count = min(rows, n - row0), packs = k / 8;
   int per_row = kConsumers;
   while (per_row > 1 && per_row * count > kConsumers) per_row /= 2;
   const int r = threadIdx.x / per_row, j = threadIdx.x % per_row;
   const bool gu = stage == GU, writes = j == 0 && r < count;
   const float2 add = writes ? addends<T>(p, lw, stage, row0 + r) : make_float2(0.f, 0.f);
+  stamp(p, layer, kTileStamp + 16 + stamp_stage(stage), stamps);
   float y = 0.f, up = 0.f;
   if (r < count) {  // count <= kConsumers (decode_layers.py: tile_rows)
     y = dot_part(ws + static_cast<size_t>(r) * k, xs, j, per_row, packs);
     if (gu) up = dot_part(ws + static_cast<size_t>(count + r) * k, xs, j, per_row, packs);
   }
+  stamp(p, layer, kTileStamp + 8 + stamp_stage(stage), stamps && y != 12345.f);
   __syncwarp();
   if (lane == 0) barrier_arrive(empty);  // this warp is done with the tile's bytes
   for (int offset = min(per_row, 32) / 2; offset > 0; offset /= 2) {
     y += __shfl_xor_sync(0xffffffffu, y, offset);
     up += __shfl_xor_sync(0xffffffffu, up, offset);
   }
+  stamp(p, layer, kTileStamp + 12 + stamp_stage(stage), stamps && y != 12345.f);
   if (per_row > 32) {  // the row's warps meet in shared memory
     if (lane == 0) partial[warp][0] = y, partial[warp][1] = up;
     consumer_sync();
@@ -476,10 +488,8 @@ __device__ void attend(const Params& p, const Plan<T, D>& plan, const Task task,
   const int active_splits = (task.len + kCap - 1) / kCap;
   if (threadIdx.x == 0) {
     barrier_arrive(&b.kv_empty);
-    __threadfence();
-    sh.last = atomicAdd(p.counters + p.num_layers * kStages + layer * p.kv_heads + task.kv_head, 1) ==
+    sh.last = count_in(p.counters + p.num_layers * kStages + layer * p.kv_heads + task.kv_head) ==
               static_cast<unsigned>(active_splits - 1);
-    __threadfence();
   }
   consumer_sync();
   stamp(p, layer, kAttnStamp + 4, t0);
@@ -534,7 +544,7 @@ __device__ void consume(const Params& p, const Plan<T, D>& plan, const Task& tas
         stamp(p, layer, kTileStamp + stamp_stage(stage), threadIdx.x == 0 && done == 0);
         const T* ws = reinterpret_cast<const T*>(ring + static_cast<size_t>(slot) * kSlotBytes);
         consume_tile<T>(p, lw, stage, plan.n[stage], plan.k[stage], plan.rows[stage], t, ws, xs, &b.empty[slot],
-                        sh.partial[seq & 1]);
+                        sh.partial[seq & 1], layer, done == 0);
         stamp(p, layer, kTileStamp + 4 + stamp_stage(stage), threadIdx.x == 0 && done == 0);
       }
       publish(p.counters + layer * kStages + stage, done);

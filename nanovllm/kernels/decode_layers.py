@@ -151,7 +151,7 @@ class DecodeLayers:
             tile_rows(hidden, element), tile_rows(q_size, element), tile_rows(hidden, element, 2),
             tile_rows(inter, element), _slots(self.max_k, attn.head_dim, element, len(rows)))
         self._tables = (cos, sin)
-        self.stamps: torch.Tensor | None = None  # [CTAs, layers, 2, 48] int64 phase stamps (scripts/decode_layers_phases.py)
+        self.stamps: torch.Tensor | None = None  # [CTAs, layers, 2, 64] int64 phase stamps (scripts/decode_layers_phases.py)
         log_once(f"bs=1 decode steps run every layer in one kernel (csrc/decode_layers.cu: {sms} CTAs, "
                  f"{self.params.slots} weight tiles of {SLOT_BYTES // 1024} KB in flight each)")
 
