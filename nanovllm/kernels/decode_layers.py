@@ -1,7 +1,7 @@
 """Every decoder layer of a one-sequence decode step in one persistent CUDA kernel: csrc/decode_layers.cu, whose
 header says why. Built with nvcc at first use (NANOVLLM_CACHE) and called through ctypes; CUDA graphs capture it
 like any kernel. Hopper and newer. OFF unless NANOVLLM_DECODE_LAYERS=1: on the H100 it is correct but slower than
-the kernel-by-kernel path (Qwen3-0.6B bs=1: 990-1,027 vs 1,200-1,212 tok/s in the same calls; docs/benchmarks.md).
+the kernel-by-kernel path (Qwen3-0.6B bs=1: 1,085-1,089 vs 1,206-1,208 tok/s in the same calls; docs/benchmarks.md).
 Twin: the model's own layers (LlamaModel.forward without it), which tests/test_decode_layers.py compares it to."""
 import ctypes
 import os
@@ -12,9 +12,10 @@ from nanovllm.kernels import cuda_library, pdl
 from nanovllm.logger import log_once
 
 SPLIT_POSITIONS = 64  # kCap of the .cu: context positions of one attention split, one CTA each
-SLOT_BYTES = 32 * 1024  # kSlotBytes: one weight tile
+TILE_BYTES = 32 * 1024  # kTileBytes: a weight tile's rows
+SLOT_BYTES = TILE_BYTES + 1024  # kSlotBytes: the tile at a padded row stride
 MAX_SLOTS = 16
-SMEM_BUDGET = 227 * 1024 - 8 * 1024  # dynamic shared memory a CTA may take: the SM's 227 KB less the static part
+SMEM_BUDGET = 227 * 1024 - 12 * 1024  # dynamic shared memory a CTA may take: the SM's 227 KB less the static part
 MAX_HIDDEN = 8192  # the normed input row lives in registers, 4 packs of 8 a consumer thread
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 _STAGES = 5
@@ -58,9 +59,9 @@ def _library() -> ctypes.CDLL:
 
 def tile_rows(k: int, element: int, parts: int = 1) -> int:
     """Rows of a weight tile: the largest power of two whose rows (of each of `parts` halves) fill a slot, at most
-    256 (a consumer thread a row)."""
+    64 rows in all (the padding budget of a slot)."""
     rows = 1
-    while 2 * rows * parts * k * element <= SLOT_BYTES and rows < 256:
+    while 2 * rows * parts * k * element <= TILE_BYTES and 2 * rows * parts <= 64:
         rows *= 2
     return rows
 
@@ -88,7 +89,7 @@ def why_not(model, max_model_len: int, dtype: torch.dtype, device: torch.device)
     if max_model_len > sms // attn.num_kv_heads * SPLIT_POSITIONS:
         return (f"max_model_len {max_model_len} > {sms // attn.num_kv_heads * SPLIT_POSITIONS} (one CTA per "
                 f"{SPLIT_POSITIONS} positions of each kv head)")
-    if hidden > MAX_HIDDEN or any(k % 8 or k * element * 2 > SLOT_BYTES for k in (hidden, q_size, inter)):
+    if hidden > MAX_HIDDEN or any(k % 16 or k < 256 or k * element * 2 > TILE_BYTES for k in (hidden, q_size, inter)):
         return f"hidden {hidden}, intermediate {inter}: a row does not fit a weight tile"
     if _slots(max(hidden, q_size, inter), attn.head_dim, element, len(inner.layers)) < 2:
         return "shared memory: fewer than two weight tiles fit"
@@ -151,7 +152,7 @@ class DecodeLayers:
             tile_rows(hidden, element), tile_rows(q_size, element), tile_rows(hidden, element, 2),
             tile_rows(inter, element), _slots(self.max_k, attn.head_dim, element, len(rows)))
         self._tables = (cos, sin)
-        self.stamps: torch.Tensor | None = None  # [CTAs, layers, 2, 64] int64 phase stamps (scripts/decode_layers_phases.py)
+        self.stamps: torch.Tensor | None = None  # [CTAs, layers, 2, 48] int64 phase stamps (scripts/decode_layers_phases.py)
         log_once(f"bs=1 decode steps run every layer in one kernel (csrc/decode_layers.cu: {sms} CTAs, "
                  f"{self.params.slots} weight tiles of {SLOT_BYTES // 1024} KB in flight each)")
 
