@@ -118,6 +118,19 @@ template <typename T, int D, int H> __device__ __forceinline__ void load_lane_di
   unpack<T, H>(load_global<T, H>(row + D / 2 + o * H), x + H);
 }
 
+// 1 / RMS of a row of K from each thread's sum of squares: the warps' sums meet in warp_squares across `sync` (a
+// barrier of the WARPS warps).
+template <int WARPS, typename Sync>
+__device__ __forceinline__ float inv_rms(float squares, float* warp_squares, Sync sync, int K, float eps) {
+  squares = warp_sum(squares);
+  if (threadIdx.x % 32 == 0) warp_squares[threadIdx.x / 32] = squares;
+  sync();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) total += warp_squares[w];
+  return rsqrtf(total / K + eps);
+}
+
 // A thread's packs of a row of K (packs threadIdx.x + i * STRIDE) normed as HF's RMSNorm rounds (the normed value
 // in T, times the weight's packs in `scale`), into xs.
 template <typename T, int N, int STRIDE>
@@ -160,6 +173,21 @@ inline cudaLaunchAttribute pdl_attribute() {
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   return attribute;
+}
+
+// A launch of grid x block threads with smem bytes of dynamic shared memory, under programmatic dependent launch
+// when pdl (`attribute` holds the launch attribute and must outlive the launch).
+inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                        cudaLaunchAttribute& attribute, int pdl) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  attribute = pdl_attribute();
+  config.attrs = &attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return config;
 }
 
 }  // namespace nanovllm

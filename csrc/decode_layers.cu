@@ -7,7 +7,13 @@
 // Here the weight stream never waits on the arithmetic: one CTA per SM, whose producer warp walks the CTA's share
 // of every layer's weights in the order the arithmetic will use them and keeps a ring of `slots` 32 KB tiles in
 // flight (bulk async copies); the consumer warps wait for their tile AND for the step before it (a counter in
-// global memory that the CTAs of that step increment), then multiply. Dependencies are counters, not kernel ends.
+// global memory that the CTAs of that step increment), then multiply on the tensor cores. Dependencies are
+// counters, not kernel ends.
+//
+// Status: correct (tests/test_decode_layers.py) but slower than the kernel-by-kernel path on the H100 (Qwen3-0.6B:
+// 1,085-1,103 vs 1,205-1,208 tok/s), so it runs only with NANOVLLM_DECODE_LAYERS=1. The stream is not the limit:
+// each of a layer's 5 stages pays for its counter's release and the spin that sees it (~0.5 us), its input row's
+// L2 round trip (~0.5 us) and its tiles, and attention ~6 us (docs/benchmarks.md, eleventh session).
 //
 // Work of one layer, in order (each stage waits for the whole stage before it, except where said):
 //   QKV   rows of the fused qkv weight; input RMSNorm(hidden) with input_layernorm
@@ -24,7 +30,7 @@
 // so every CTA streams the same bytes per layer. The last CTA to finish zeroes the counters for the next launch.
 // Rounded where the unfused kernels round (gemv_one_row.cu, paged_decode_cluster.cu). hidden is read and written
 // in place: it is the residual stream; the model's final norm follows this kernel.
-// Reference: the model's layers with the torch backend (nanovllm/kernels/decode_layers.py).
+// Reference: the same model's layers run kernel by kernel (tests/test_decode_layers.py).
 #include "common.cuh"
 
 // One decoder layer's tensors; nanovllm/kernels/decode_layers.py mirrors the struct field by field.
@@ -62,7 +68,8 @@ struct Params {
   int page, splits;                         // splits of each kv head: one CTA each
   int rows_qkv, rows_o, rows_gate_up, rows_down;  // rows a tile (gate_up: of each half)
   int slots;                                      // tiles in flight a CTA
-  unsigned long long* stamps;  // null, or [CTAs, num_layers, 2, kStampEvents] globaltimer and clock64 stamps (scripts/decode_layers_phases.py)
+  unsigned long long* stamps;  // null, or [CTAs, num_layers, 2, kStampEvents] globaltimer and clock64 stamps
+                               // (scripts/decode_layers_phases.py)
 };
 
 namespace {
@@ -297,13 +304,8 @@ __device__ void stage_input(const Params& p, int stage, int k, T* xs, float* squ
 #pragma unroll
     for (int e = 0; e < 8; ++e) sum += to_float(x[i].v[e]) * to_float(x[i].v[e]);
   }
-  sum = warp_sum(sum);
-  if (threadIdx.x % 32 == 0) squares[threadIdx.x / 32] = sum;
-  consumer_sync();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < kConsumerWarps; ++w) total += squares[w];
-  store_normed<T, kMaxNormPacks, kConsumers>(xs, x, scale, k, rsqrtf(total / k + p.eps));
+  const float inv = inv_rms<kConsumerWarps>(sum, squares, [] { consumer_sync(); }, k, p.eps);
+  store_normed<T, kMaxNormPacks, kConsumers>(xs, x, scale, k, inv);
   consumer_sync();
 }
 
@@ -331,12 +333,14 @@ __device__ __forceinline__ void write_output(const Params& p, int stage, int row
 
 // D += A B for one m16n8k16 tile: A 16 x 16 (rows of W), B 16 x 8 (the input, in every column), fp32 sums.
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], __nv_bfloat16) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], __half) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
@@ -452,7 +456,8 @@ __device__ void attend(const Params& p, const Plan<T, D>& plan, const Task task,
     float kx[kDims];
     if (j < n) {
 #pragma unroll
-      for (int e = 0; e < kDims; e += 8) unpack<T, 8>(*reinterpret_cast<const uint4*>(ks + j * D + o * kDims + e), kx + e);
+      for (int e = 0; e < kDims; e += 8)
+        unpack<T, 8>(*reinterpret_cast<const uint4*>(ks + j * D + o * kDims + e), kx + e);
     } else {
 #pragma unroll
       for (int e = 0; e < kDims; ++e) kx[e] = 0.f;
@@ -579,7 +584,8 @@ __global__ void __launch_bounds__(kThreads, 1) decode_layers_kernel(const __grid
     reinterpret_cast<uint64_t*>(layers)[i] = reinterpret_cast<const uint64_t*>(p.layers)[i];
   const Task task(p, __ldcg(p.seq_lens));
   if (threadIdx.x == 0) {
-    for (int s = 0; s < p.slots; ++s) barrier_init(&barriers.full[s], 1), barrier_init(&barriers.empty[s], kConsumerWarps);
+    for (int s = 0; s < p.slots; ++s)
+      barrier_init(&barriers.full[s], 1), barrier_init(&barriers.empty[s], kConsumerWarps);
     barrier_init(&barriers.kv_full, 1);
     barrier_init(&barriers.kv_empty, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -620,14 +626,8 @@ cudaError_t launch(const Params& p, int max_k, int pdl, cudaStream_t stream) {
   int device = 0, sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(sms);  // one CTA a SM, all resident at once: they wait on each other
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute = pdl_attribute();
-  config.attrs = &attribute;
-  config.numAttrs = pdl ? 1 : 0;
+  cudaLaunchAttribute attribute;  // one CTA a SM, all resident at once: they wait on each other
+  const cudaLaunchConfig_t config = launch_config(dim3(sms), dim3(kThreads), smem, stream, attribute, pdl);
   return cudaLaunchKernelEx(&config, kernel, p);
 }
 

@@ -114,13 +114,8 @@ __device__ void stage_input(T* xs, float* warp_squares, const Pack<T> (&scale)[k
     if (MODE != MODE_ADD_NORM) reinterpret_cast<uint4*>(xs)[v] = a[i].bits;
   }
   if constexpr (MODE == MODE_ADD_NORM) {
-    squares = warp_sum(squares);
-    if (threadIdx.x % 32 == 0) warp_squares[threadIdx.x / 32] = squares;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) total += warp_squares[w];
-    store_normed<T, kMaxShare, kThreads>(xs, a, scale, K, rsqrtf(total / K + eps));
+    const float inv = inv_rms<kWarps>(squares, warp_squares, [] { __syncthreads(); }, K, eps);
+    store_normed<T, kMaxShare, kThreads>(xs, a, scale, K, inv);
   }
   __syncthreads();
 }
@@ -191,14 +186,9 @@ cudaError_t launch(const void* x, const void* w, const void* bias, void* y, cons
     if (err != cudaSuccess) return err;
     smem_allowed = smem;
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((N / kParts + rows_per_cta - 1) / rows_per_cta);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute attribute = pdl_attribute();
-  config.attrs = &attribute;
-  config.numAttrs = pdl ? 1 : 0;
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config = launch_config(dim3((N / kParts + rows_per_cta - 1) / rows_per_cta), dim3(kThreads),
+                                                  smem, stream, attribute, pdl);
   return cudaLaunchKernelEx(&config, kernel, static_cast<const T*>(x), static_cast<const T*>(w),
                             static_cast<const T*>(bias), static_cast<T*>(y), static_cast<const T*>(residual),
                             static_cast<const T*>(norm_w), static_cast<T*>(res_out), N, K, rows_per_cta, eps);
