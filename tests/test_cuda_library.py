@@ -1,5 +1,7 @@
 """The build of csrc/'s kernels (nanovllm.kernels.cuda_library): each source compiles for sm_90 and exports its
 entry points, where nvcc exists (CPU machines included); without a GPU every kernel is off and says why."""
+import ctypes
+
 import pytest
 import torch
 
@@ -16,6 +18,26 @@ def test_source_compiles_for_sm90_and_exports_its_entry_point(name, tmp_path, mo
     library = cuda_library._build(name, cuda_library.nvcc())
     assert hasattr(library, SOURCES[name]) and library.nanovllm_cuda_error_string(0) == b"no error"
     assert [p.name for p in tmp_path.iterdir()] == [p.name for p in tmp_path.glob(f"{name}_*.so")]
+
+
+@pytest.mark.skipif(cuda_library.nvcc() is None, reason="no nvcc on this machine")
+def test_entry_point_builds_types_and_logs_once(tmp_path, monkeypatch):
+    """Where a kernel can run (here: pretended), its entry point is typed once per device and the path logged once."""
+    monkeypatch.setenv("NANOVLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(cuda_library.pdl, "not_hopper", lambda device: None)
+    monkeypatch.setattr(cuda_library, "_libraries", {})
+    monkeypatch.setattr(cuda_library, "_entry_reasons", {})
+    said = []
+    monkeypatch.setattr(cuda_library, "log_once", said.append)
+    argtypes = [ctypes.c_int, ctypes.c_void_p]
+    for _ in range(2):
+        assert cuda_library.entry_point("decode_layers", torch.device("cuda", 7), "NANOVLLM_X", argtypes, "on") is None
+    entry = cuda_library.library("decode_layers").nanovllm_decode_layers
+    assert entry.restype is ctypes.c_int and entry.argtypes == argtypes and said == ["on"]
+    monkeypatch.setenv("NANOVLLM_Y", "0")
+    assert cuda_library.entry_point("decode_layers", torch.device("cuda", 6), "NANOVLLM_Y", argtypes, "on",
+                                    "off ({reason})") == "NANOVLLM_Y=0"
+    assert said == ["on", "off (NANOVLLM_Y=0)"]
 
 
 def test_every_source_is_listed():

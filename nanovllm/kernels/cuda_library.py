@@ -12,11 +12,13 @@ from pathlib import Path
 import torch
 
 from nanovllm.kernels import pdl
+from nanovllm.logger import log_once
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 NVCC_FLAGS = ["-O3", "-shared", "-Xcompiler", "-fPIC", "-gencode", "arch=compute_90,code=sm_90"]
 
 _libraries: dict[str, ctypes.CDLL] = {}
+_entry_reasons: dict[tuple[str, str], str | None] = {}
 
 
 def nvcc() -> str | None:
@@ -65,6 +67,22 @@ def why_unavailable(name: str, device: torch.device, switch: str) -> str | None:
         except (RuntimeError, OSError) as error:
             return str(error)
     return None
+
+
+def entry_point(name: str, device: torch.device, switch: str, argtypes: list, on: str | None = None,
+                off: str | None = None) -> str | None:
+    """why_unavailable(), once per kernel and device; where the kernel runs, its entry point nanovllm_<name> is typed
+    (returns a cudaError_t; argtypes). On CUDA the path is logged once when given: `on`, or `off` with {reason}."""
+    key = (name, str(device))
+    if key not in _entry_reasons:
+        _entry_reasons[key] = reason = why_unavailable(name, device, switch)
+        if reason is None:
+            entry = getattr(_libraries[name], f"nanovllm_{name}")
+            entry.restype, entry.argtypes = ctypes.c_int, argtypes
+        message = on if reason is None else off.format(reason=reason) if off is not None else None
+        if device.type == "cuda" and message is not None:
+            log_once(message)
+    return _entry_reasons[key]
 
 
 def library(name: str) -> ctypes.CDLL:

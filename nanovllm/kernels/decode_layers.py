@@ -20,7 +20,6 @@ MAX_HIDDEN = 8192  # the normed input row lives in registers, 4 packs of 8 a con
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 _STAGES = 5
 
-_why_off: dict[str, str | None] = {}
 
 
 class _LayerWeights(ctypes.Structure):
@@ -42,15 +41,10 @@ class _Params(ctypes.Structure):
 
 
 def why_off(device: torch.device) -> str | None:
-    key = str(device)
-    if key not in _why_off:
-        _why_off[key] = reason = cuda_library.why_unavailable("decode_layers", device, "NANOVLLM_DECODE_LAYERS")
-        if reason is None:
-            entry = _library().nanovllm_decode_layers
-            entry.restype = ctypes.c_int
-            entry.argtypes = [ctypes.c_int, ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_void_p]
-    return _why_off[key]
+    """None when the kernel is built and can run on this device, else why not (the caller logs its choice)."""
+    return cuda_library.entry_point(
+        "decode_layers", device, "NANOVLLM_DECODE_LAYERS",
+        [ctypes.c_int, ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
 
 
 def _library() -> ctypes.CDLL:

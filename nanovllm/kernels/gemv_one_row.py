@@ -7,7 +7,6 @@ import ctypes
 import torch
 
 from nanovllm.kernels import cuda_library, pdl
-from nanovllm.logger import log_once
 
 # a CTA's shared memory at most: its slice of W plus the staged input row (at most 55 KB for Qwen3-0.6B's layers,
 # two CTAs a SM each). Set when a GEMV had one CTA a SM, so that the next GEMV's fit beside it on the SM (228 KB)
@@ -19,22 +18,14 @@ _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 CTAS_PER_SM = 2
 MAX_K = 4096  # kMaxK of the .cu: each thread holds its share of the staged input row in registers
 
-_why_off: dict[str, str | None] = {}
-
-
 def why_off(device: torch.device) -> str | None:
     """None when the kernel runs on this device, else why not (said once in the log: the Triton GEMV runs)."""
-    key = str(device)
-    if key not in _why_off:
-        _why_off[key] = reason = cuda_library.why_unavailable("gemv_one_row", device, "NANOVLLM_GEMV_CUDA")
-        if reason is None:
-            _library().nanovllm_gemv_one_row.restype = ctypes.c_int
-            _library().nanovllm_gemv_one_row.argtypes = ([ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3
-                                                         + [ctypes.c_float] + [ctypes.c_int] * 2 + [ctypes.c_void_p])
-        if device.type == "cuda":
-            log_once("one-row GEMVs (bs=1 decode) run the CUDA kernel of csrc/gemv_one_row.cu" if reason is None
-                     else f"one-row GEMVs run the Triton GEMV: the CUDA one is off ({reason})")
-    return _why_off[key]
+    return cuda_library.entry_point(
+        "gemv_one_row", device, "NANOVLLM_GEMV_CUDA",
+        [ctypes.c_int] + [ctypes.c_void_p] * 7 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 2
+        + [ctypes.c_void_p],
+        "one-row GEMVs (bs=1 decode) run the CUDA kernel of csrc/gemv_one_row.cu",
+        "one-row GEMVs run the Triton GEMV: the CUDA one is off ({reason})")
 
 
 def _library() -> ctypes.CDLL:

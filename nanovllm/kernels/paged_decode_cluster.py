@@ -22,7 +22,6 @@ _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 _GROUPS = (1, 2, 4, 8)
 _HEAD_DIMS = (64, 128)
 
-_why_off: dict[str, str | None] = {}
 _no_16_cluster: set[str] = set()  # devices where a 16-CTA cluster did not launch: 8 there
 
 
@@ -40,18 +39,11 @@ class _Params(ctypes.Structure):
 
 def why_off(device: torch.device) -> str | None:
     """None when the kernel runs on this device, else why not (said once in the log: the Triton decode runs)."""
-    key = str(device)
-    if key not in _why_off:
-        _why_off[key] = reason = cuda_library.why_unavailable("paged_decode_cluster", device, "NANOVLLM_DECODE_CUDA")
-        if reason is None:
-            entry = _library().nanovllm_paged_decode_cluster
-            entry.restype = ctypes.c_int
-            entry.argtypes = ([ctypes.c_int, ctypes.POINTER(_Params)] + [ctypes.c_int] * 6 + [ctypes.c_void_p])
-        if device.type == "cuda":
-            log_once(f"decode steps of up to {MAX_SEQS} sequence(s) run the CUDA attention of "
-                     "csrc/paged_decode_cluster.cu" if reason is None
-                     else f"decode attention runs the Triton kernels at every batch: the CUDA one is off ({reason})")
-    return _why_off[key]
+    return cuda_library.entry_point(
+        "paged_decode_cluster", device, "NANOVLLM_DECODE_CUDA",
+        [ctypes.c_int, ctypes.POINTER(_Params)] + [ctypes.c_int] * 6 + [ctypes.c_void_p],
+        f"decode steps of up to {MAX_SEQS} sequence(s) run the CUDA attention of csrc/paged_decode_cluster.cu",
+        "decode attention runs the Triton kernels at every batch: the CUDA one is off ({reason})")
 
 
 def _library() -> ctypes.CDLL:
