@@ -59,3 +59,12 @@ def test_kernel_phases_script_finds_its_anchors(monkeypatch):
     for name, stamps in (("gemv_one_row", kernel_phases.GEMV_STAMPS),
                          ("paged_decode_cluster", kernel_phases.ATTENTION_STAMPS)):
         assert kernel_phases.stamped(name, stamps).count("STAMP(") == len(stamps) + 1  # and the macro
+
+
+@pytest.mark.skipif(cuda_library.nvcc() is None, reason="no nvcc on this machine")
+def test_tile_dot_bench_compiles(tmp_path, monkeypatch):
+    """scripts/tile_dot_bench.py (a GPU microbenchmark named in docs/benchmarks.md) still builds against common.cuh."""
+    monkeypatch.syspath_prepend(str(cuda_library.CSRC.parent / "scripts"))
+    import tile_dot_bench
+
+    assert hasattr(tile_dot_bench.build(str(tmp_path)), "run")
