@@ -110,32 +110,6 @@ __device__ __forceinline__ void stamp(const Params& p, int layer, int event, boo
 
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers) : "memory"); }
 
-__device__ __forceinline__ void barrier_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-__device__ __forceinline__ void barrier_expect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-}
-
-// until the barrier's phase of this parity has completed
-__device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-  }
-}
-
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-
 // Consumers: until *counter >= target (the stage before has published), then its writes are visible: a relaxed
 // spin, then one acquiring load (an acquire each turn would drop this SM's L1 each turn), as CUTLASS's barriers.
 __device__ __forceinline__ void wait_count(const unsigned* counter, unsigned target) {
@@ -164,7 +138,7 @@ __device__ __forceinline__ unsigned count_in(unsigned* counter) {
 }
 
 // The CTA's plan: the layer's tile counts per stage and where each stage's tiles start in the layer's numbering.
-template <typename T, int D> struct Plan {
+template <int D> struct Plan {
   int tiles[kStages], offset[kStages], per_layer;
   int n[kStages], k[kStages], rows[kStages];
 
@@ -236,7 +210,7 @@ __device__ void produce_kv(const Params& p, const Task& task, const LayerWeights
 }
 
 template <typename T, int D>
-__device__ void produce(const Params& p, const Plan<T, D>& plan, const Task& task, const LayerWeights* layers,
+__device__ void produce(const Params& p, const Plan<D>& plan, const Task& task, const LayerWeights* layers,
                         unsigned char* ring, T* ks, T* vs, Barriers& b) {
   const int lane = threadIdx.x % 32;
   int seq = 0;  // tiles issued so far: the ring position
@@ -352,7 +326,7 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], const
 // 16 block is 6 loads and one MMA.
 template <typename T>
 __device__ void consume_tile(const Params& p, const LayerWeights& lw, int stage, int n, int k, int rows, int t,
-                                 const T* ws, const T* xs, uint64_t* empty, float (*sums)[kMaxTileRows]) {
+                             const T* ws, const T* xs, uint64_t* empty, float (*sums)[kMaxTileRows]) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
   const int row0 = t * rows, count = min(rows, n - row0), total = (stage == GU ? 2 : 1) * count;
   const bool writes = static_cast<int>(threadIdx.x) < count;
@@ -399,7 +373,7 @@ struct ConsumerShared {
 
 // The task's split of attention for one layer; the last split of its kv head to finish merges all of them.
 template <typename T, int D>
-__device__ void attend(const Params& p, const Plan<T, D>& plan, const Task task, const LayerWeights& lw, int layer,
+__device__ void attend(const Params& p, const Plan<D>& plan, const Task task, const LayerWeights& lw, int layer,
                        T* ks, T* vs, Barriers& b, ConsumerShared& sh) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = p.heads / p.kv_heads, last = task.len - 1;
@@ -524,7 +498,7 @@ __device__ void attend(const Params& p, const Plan<T, D>& plan, const Task task,
 }
 
 template <typename T, int D>
-__device__ void consume(const Params& p, const Plan<T, D>& plan, const Task& task, const LayerWeights* layers,
+__device__ void consume(const Params& p, const Plan<D>& plan, const Task& task, const LayerWeights* layers,
                         unsigned char* ring, T* ks, T* vs, T* xs, Barriers& b, ConsumerShared& sh) {
   int seq = 0;
   for (int layer = 0; layer < p.num_layers; ++layer) {
@@ -576,7 +550,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_layers_kernel(const __grid
   // the plan and the layers' pointers in shared memory: one copy of the stage loop's code (the code of a layer,
   // unrolled by stage, outgrew the instruction caches), and after each wait the consumers' L1 is dropped (the
   // acquiring fence): reading these from global or local memory there put an L2 round trip into every tile
-  __shared__ Plan<T, D> plan;
+  __shared__ Plan<D> plan;
   if (threadIdx.x == 0) plan.init(p);
   const int max_k = max(p.hidden_size, max(p.heads * D, p.inter));
   LayerWeights* layers = reinterpret_cast<LayerWeights*>(xs + max_k);
@@ -588,7 +562,7 @@ __global__ void __launch_bounds__(kThreads, 1) decode_layers_kernel(const __grid
       barrier_init(&barriers.full[s], 1), barrier_init(&barriers.empty[s], kConsumerWarps);
     barrier_init(&barriers.kv_full, 1);
     barrier_init(&barriers.kv_empty, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    barriers_initialized();
   }
   __syncthreads();
   if (threadIdx.x >= kConsumers) {  // the producer: weights and cached keys / values only, before any wait

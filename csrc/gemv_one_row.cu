@@ -35,37 +35,24 @@ constexpr int kMaxShare = kMaxK / 8 / kThreads;
 
 enum Mode { MODE_PLAIN = 0, MODE_ADD_NORM = 1, MODE_SILU_MUL = 2, MODE_ADD_NORM_SILU_OUT = 3 };
 
-__device__ __forceinline__ void wait_for_bytes(uint64_t* bar) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(smem_addr(bar)) : "memory");
-  }
-}
-
 // Thread 0 starts the bulk copies of the CTA's slice of W, chunk c completing arrived[c]. With `second` (the
 // up half of a stacked [gate; up] weight), the same rows of it land behind the first slice (at ws + stride * K).
 template <typename T>
 __device__ void start_weight_copies(T* ws, const T* slice, const T* second, int stride, int rows, int K,
                                     uint64_t* arrived) {
-  for (int c = 0; c < kChunks; ++c)
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&arrived[c])) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  for (int c = 0; c < kChunks; ++c) barrier_init(&arrived[c], 1);
+  barriers_initialized();
   for (int c = 0; c < kChunks; ++c) {
     const int r0 = rows * c / kChunks, r1 = rows * (c + 1) / kChunks;
-    const uint32_t bar = smem_addr(&arrived[c]);
     if (r1 == r0) {  // an empty chunk: complete its barrier with a plain arrive
-      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+      barrier_arrive(&arrived[c]);
       continue;
     }
     const uint32_t bytes = static_cast<uint32_t>((r1 - r0) * K * sizeof(T));
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                 "r"(second != nullptr ? 2 * bytes : bytes) : "memory");
+    barrier_expect(&arrived[c], second != nullptr ? 2 * bytes : bytes);
     for (int part = 0; part < (second != nullptr ? 2 : 1); ++part) {
       const T* src = (part == 0 ? slice : second) + static_cast<size_t>(r0) * K;
-      T* dst = ws + (static_cast<size_t>(part) * stride + r0) * K;
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(bar) : "memory");
+      bulk_copy(ws + (static_cast<size_t>(part) * stride + r0) * K, src, bytes, &arrived[c]);
     }
   }
 }
@@ -157,7 +144,7 @@ __global__ void __launch_bounds__(kThreads) gemv_one_row_kernel(
   stage_input<T, MODE>(xs, warp_squares, scale, x, residual, blockIdx.x == 0 ? res_out : nullptr, K, eps);
   int ready = 0;  // chunks this warp has waited for
   for (int r = threadIdx.x / 32; r < rows; r += kWarps) {
-    while (rows * ready / kChunks <= r) wait_for_bytes(&arrived[ready++]);
+    while (rows * ready / kChunks <= r) barrier_wait(&arrived[ready++], 0);
     float acc = dot_row(ws + static_cast<size_t>(r) * K, xs, K);
     if (bias != nullptr) acc += to_float(bias[row0 + r]);
     if constexpr (SILU_OUT) {  // rounded as the unfused GEMV's output, then SiluAndMul
