@@ -1,10 +1,11 @@
 """Every decoder layer of a one-sequence decode step in one persistent CUDA kernel: csrc/decode_layers.cu, whose
 header says why. Built with nvcc at first use (NANOVLLM_CACHE) and called through ctypes; CUDA graphs capture it
 like any kernel. Hopper and newer. OFF unless NANOVLLM_DECODE_LAYERS=1: on the H100 it is correct but slower than
-the kernel-by-kernel path (Qwen3-0.6B bs=1: 1,085-1,089 vs 1,206-1,208 tok/s in the same calls; docs/benchmarks.md).
+the kernel-by-kernel path (Qwen3-0.6B bs=1: 1,085-1,103 vs 1,205-1,208 tok/s in the same calls; docs/benchmarks.md).
 Twin: the model's own layers (LlamaModel.forward without it), which tests/test_decode_layers.py compares it to."""
 import ctypes
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -19,7 +20,6 @@ SMEM_BUDGET = 227 * 1024 - 12 * 1024  # dynamic shared memory a CTA may take: th
 MAX_HIDDEN = 8192  # the normed input row lives in registers, 4 packs of 8 a consumer thread
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 _STAGES = 5
-
 
 
 class _LayerWeights(ctypes.Structure):
@@ -65,29 +65,62 @@ def _slots(max_k: int, head_dim: int, element: int, num_layers: int) -> int:
     return min(MAX_SLOTS, (SMEM_BUDGET - besides) // SLOT_BYTES)
 
 
+class _Shape(NamedTuple):
+    """What the kernel's launch depends on, from the model's first layer and the device."""
+    hidden: int
+    inter: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int
+    element: int
+    sms: int
+
+    @classmethod
+    def of(cls, model, dtype: torch.dtype, device: torch.device) -> "_Shape":
+        layer = model.model.layers[0]
+        attn = layer.self_attn
+        return cls(layer.input_layernorm.weight.numel(), layer.mlp.down_proj.weight.shape[1], attn.num_heads,
+                   attn.num_kv_heads, attn.head_dim, len(model.model.layers),
+                   torch.tensor([], dtype=dtype).element_size(),
+                   torch.cuda.get_device_properties(device).multi_processor_count)
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def max_k(self) -> int:  # the longest reduction: hidden (qkv, gate_up), q_size (o), inter (down)
+        return max(self.hidden, self.q_size, self.inter)
+
+    @property
+    def splits(self) -> int:  # attention splits of each kv head, one CTA each
+        return self.sms // self.kv_heads
+
+    @property
+    def slots(self) -> int:
+        return _slots(self.max_k, self.head_dim, self.element, self.layers)
+
+
 def why_not(model, max_model_len: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """None when this model's bs=1 decode steps can run the kernel, else why not."""
     if os.environ.get("NANOVLLM_DECODE_LAYERS", "0") != "1":
         return "off unless NANOVLLM_DECODE_LAYERS=1: slower than kernel by kernel on the H100 so far"
-    inner = model.model
-    layer = inner.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    group = attn.num_heads // attn.num_kv_heads
-    element = torch.tensor([], dtype=dtype).element_size()
-    hidden, inter, q_size = layer.input_layernorm.weight.numel(), mlp.down_proj.weight.shape[1], attn.o_proj.weight.shape[1]
     if dtype not in _DTYPES:
         return f"{dtype} (bf16 and fp16 only)"
-    if attn.head_dim not in (64, 128) or group not in (1, 2, 4, 8) or attn.num_heads % attn.num_kv_heads:
-        return f"head_dim {attn.head_dim}, {attn.num_heads} heads over {attn.num_kv_heads} kv heads"
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if max_model_len > sms // attn.num_kv_heads * SPLIT_POSITIONS:
-        return (f"max_model_len {max_model_len} > {sms // attn.num_kv_heads * SPLIT_POSITIONS} (one CTA per "
+    shape = _Shape.of(model, dtype, device)
+    group = shape.heads // shape.kv_heads
+    if shape.head_dim not in (64, 128) or shape.heads % shape.kv_heads or group not in (1, 2, 4, 8):
+        return f"head_dim {shape.head_dim}, {shape.heads} heads over {shape.kv_heads} kv heads"
+    if max_model_len > shape.splits * SPLIT_POSITIONS:
+        return (f"max_model_len {max_model_len} > {shape.splits * SPLIT_POSITIONS} (one CTA per "
                 f"{SPLIT_POSITIONS} positions of each kv head)")
-    if hidden > MAX_HIDDEN or any(k % 16 or k < 256 or k * element * 2 > TILE_BYTES for k in (hidden, q_size, inter)):
-        return f"hidden {hidden}, intermediate {inter}: a row does not fit a weight tile"
-    if _slots(max(hidden, q_size, inter), attn.head_dim, element, len(inner.layers)) < 2:
+    ks = (shape.hidden, shape.q_size, shape.inter)
+    if shape.hidden > MAX_HIDDEN or any(k % 16 or k < 256 or k * shape.element * 2 > TILE_BYTES for k in ks):
+        return f"hidden {shape.hidden}, intermediate {shape.inter}: a row does not fit a weight tile"
+    if shape.slots < 2:
         return "shared memory: fewer than two weight tiles fit"
-    for lyr in inner.layers:
+    for lyr in model.model.layers:
         linears = (lyr.self_attn.qkv_proj, lyr.self_attn.o_proj, lyr.mlp.gate_up_proj, lyr.mlp.down_proj)
         for lin in linears:
             w = lin.weight
@@ -104,21 +137,13 @@ class DecodeLayers:
     """The kernel's arguments for one loaded model and its KV cache; call it on a bs=1 decode step's embedding."""
 
     def __init__(self, model):
-        inner = model.model
-        first = inner.layers[0]
-        attn = first.self_attn
-        weight = first.self_attn.qkv_proj.weight
+        weight = model.model.layers[0].self_attn.qkv_proj.weight
         self.device, self.dtype = weight.device, weight.dtype
-        element = weight.element_size()
-        hidden, inter = first.input_layernorm.weight.numel(), first.mlp.down_proj.weight.shape[1]
-        q_size = attn.num_heads * attn.head_dim
-        self.head_dim, self.max_k = attn.head_dim, max(hidden, q_size, inter)
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        splits = sms // attn.num_kv_heads
-        group = attn.num_heads // attn.num_kv_heads
+        shape = _Shape.of(model, self.dtype, self.device)
+        self.head_dim, self.max_k = shape.head_dim, shape.max_k
         ptr = cuda_library.pointer
         rows = []
-        for lyr in inner.layers:
+        for lyr in model.model.layers:
             sa, mlp = lyr.self_attn, lyr.mlp
             rows.append(_LayerWeights(
                 ptr(sa.qkv_proj.weight), ptr(sa.qkv_proj.bias), ptr(sa.o_proj.weight), ptr(sa.o_proj.bias),
@@ -128,27 +153,28 @@ class DecodeLayers:
         table = (_LayerWeights * len(rows))(*rows)
         self.layers = torch.frombuffer(bytearray(bytes(table)), dtype=torch.uint8).to(self.device)
         make = dict(dtype=self.dtype, device=self.device)
-        self.qkv = torch.empty(q_size + 2 * attn.num_kv_heads * attn.head_dim, **make)
-        self.attn_out = torch.empty(q_size, **make)
-        self.act = torch.empty(inter, **make)
-        self.partials = torch.empty(attn.num_kv_heads * splits * group * (attn.head_dim + 2), dtype=torch.float32,
-                                    device=self.device)
+        self.qkv = torch.empty(shape.q_size + 2 * shape.kv_heads * shape.head_dim, **make)
+        self.attn_out = torch.empty(shape.q_size, **make)
+        self.act = torch.empty(shape.inter, **make)
+        self.partials = torch.empty(shape.kv_heads * shape.splits * (shape.heads // shape.kv_heads)
+                                    * (shape.head_dim + 2), dtype=torch.float32, device=self.device)
         # zero between launches: the kernel's last CTA zeroes them again
-        self.counters = torch.zeros(len(rows) * (_STAGES + attn.num_kv_heads) + 1, dtype=torch.int32,
+        self.counters = torch.zeros(shape.layers * (_STAGES + shape.kv_heads) + 1, dtype=torch.int32,
                                     device=self.device)
-        cos, sin = attn.rotary.tables(self.dtype)
-        k_cache = attn.attn.k_cache
+        first = model.model.layers[0]
+        cos, sin = first.self_attn.rotary.tables(self.dtype)  # cast once and kept by the rotary embedding
+        k_cache, element = first.self_attn.attn.k_cache, shape.element
         self.params = _Params(
             self.layers.data_ptr(), None, self.qkv.data_ptr(), self.attn_out.data_ptr(), self.act.data_ptr(),
             self.partials.data_ptr(), self.counters.data_ptr(), None, None, None, cos.data_ptr(), sin.data_ptr(),
-            first.input_layernorm.eps, attn.attn.scale, len(rows), hidden, attn.num_heads, attn.num_kv_heads, inter,
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1], splits,
-            tile_rows(hidden, element), tile_rows(q_size, element), tile_rows(hidden, element, 2),
-            tile_rows(inter, element), _slots(self.max_k, attn.head_dim, element, len(rows)))
-        self._tables = (cos, sin)
-        self.stamps: torch.Tensor | None = None  # [CTAs, layers, 2, 48] int64 phase stamps (scripts/decode_layers_phases.py)
-        log_once(f"bs=1 decode steps run every layer in one kernel (csrc/decode_layers.cu: {sms} CTAs, "
-                 f"{self.params.slots} weight tiles of {SLOT_BYTES // 1024} KB in flight each)")
+            first.input_layernorm.eps, first.self_attn.attn.scale, shape.layers, shape.hidden, shape.heads,
+            shape.kv_heads, shape.inter, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
+            shape.splits, tile_rows(shape.hidden, element), tile_rows(shape.q_size, element),
+            tile_rows(shape.hidden, element, 2), tile_rows(shape.inter, element), shape.slots)
+        # [CTAs, layers, 2, 48] int64 phase stamps (scripts/decode_layers_phases.py)
+        self.stamps: torch.Tensor | None = None
+        log_once(f"bs=1 decode steps run every layer in one kernel (csrc/decode_layers.cu: {shape.sms} CTAs, "
+                 f"{shape.slots} weight tiles of {SLOT_BYTES // 1024} KB in flight each)")
 
     @staticmethod
     def takes(meta) -> bool:
