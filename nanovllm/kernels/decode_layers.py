@@ -44,7 +44,7 @@ def why_off(device: torch.device) -> str | None:
     """None when the kernel is built and can run on this device, else why not (the caller logs its choice)."""
     return cuda_library.entry_point(
         "decode_layers", device, "NANOVLLM_DECODE_LAYERS",
-        [ctypes.c_int, ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
+        [ctypes.c_int, ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_void_p])
 
 
 def _library() -> ctypes.CDLL:
@@ -140,7 +140,7 @@ class DecodeLayers:
         weight = model.model.layers[0].self_attn.qkv_proj.weight
         self.device, self.dtype = weight.device, weight.dtype
         shape = _Shape.of(model, self.dtype, self.device)
-        self.head_dim, self.max_k = shape.head_dim, shape.max_k
+        self.head_dim = shape.head_dim
         ptr = cuda_library.pointer
         rows = []
         for lyr in model.model.layers:
@@ -189,7 +189,7 @@ class DecodeLayers:
         p.block_table, p.seq_lens = meta.block_tables.data_ptr(), meta.seq_lens.data_ptr()
         p.slot_mapping = meta.slot_mapping.data_ptr()
         p.stamps = None if self.stamps is None else self.stamps.data_ptr()
-        error = _library().nanovllm_decode_layers(_DTYPES[self.dtype], ctypes.byref(p), self.head_dim, self.max_k,
+        error = _library().nanovllm_decode_layers(_DTYPES[self.dtype], ctypes.byref(p), self.head_dim,
                                                   int(pdl.why_off(self.device) is None),
                                                   cuda_library.stream_of(hidden))
         cuda_library.check(_library(), error, "decode_layers")
