@@ -46,14 +46,13 @@ def _decode_step(runner, context: int, seed: int):
     table[0, :blocks.numel()] = blocks
     last = context - 1
     slot = int(blocks[last // page]) * page + last % page
-    cuda = dict(device="cuda")
+    i32, i64 = dict(dtype=torch.int32, device="cuda"), dict(dtype=torch.int64, device="cuda")
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor([slot], dtype=torch.int64, **cuda), query_start_loc=torch.tensor([0, 1], **cuda,
-        dtype=torch.int32), seq_lens=torch.tensor([context], dtype=torch.int32, **cuda),
-        block_tables=table.to("cuda"), num_decodes=1, max_query_len=1, max_seq_len=context,
-        query_start_loc_cpu=[0, 1], seq_lens_cpu=[context])
+        slot_mapping=torch.tensor([slot], **i64), query_start_loc=torch.tensor([0, 1], **i32),
+        seq_lens=torch.tensor([context], **i32), block_tables=table.to("cuda"), num_decodes=1, max_query_len=1,
+        max_seq_len=context, query_start_loc_cpu=[0, 1], seq_lens_cpu=[context])
     token = torch.randint(0, runner.vocab_size, (1,), generator=g).to("cuda")
-    return token, torch.tensor([last], **cuda), meta
+    return token, torch.tensor([last], **i64), meta
 
 
 @torch.inference_mode()
@@ -91,4 +90,4 @@ def test_one_kernel_step_matches_layers(runner, context):
     written = (runner.kv_cache - ref_cache).abs().amax().item()
     assert written < 0.05 * ref_cache.abs().amax().item()
     changed = (ref_cache != cache).flatten(2).any(-1)  # [2, layers, blocks + 1]: only the new token's block
-    assert int(changed.sum()) == 2 * runner.model.model.layers.__len__()
+    assert int(changed.sum()) == 2 * len(runner.model.model.layers)
