@@ -77,10 +77,16 @@ def timed_generate(llm, prompts, params, device):
     return time.perf_counter() - start, outs
 
 
+def make_llm(args, model, dtype, **settings) -> LLM:
+    llm = LLM(model, device=args.device, dtype=dtype, attention_backend=args.attention_backend, **settings)
+    args.backend_used = llm.llm_engine.model_runner.backend.name  # the header names it
+    return llm
+
+
 def run_ours(args, model, prompts, out_lens, dtype):
-    llm = LLM(model, device=args.device, dtype=dtype, enforce_eager=args.enforce_eager,
-              max_model_len=max(map(len, prompts)) + max(out_lens), max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = make_llm(args, model, dtype, enforce_eager=args.enforce_eager,
+                   max_model_len=max(map(len, prompts)) + max(out_lens), max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens)
     timed_generate(llm, prompts[:2], SamplingParams(max_tokens=4), args.device)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, seed=i, detokenize=False)
               for i, n in enumerate(out_lens)]
@@ -127,7 +133,7 @@ def device_name(args) -> str:
 def header(args, dtype, extra=""):
     return (f"\n| device | date | model | dtype | mode | config |\n|---|---|---|---|---|---|\n"
             f"| {device_name(args)} | {datetime.date.today()} | {args.model} | {str(dtype).removeprefix('torch.')} "
-            f"| {args.mode} | {extra} |\n")
+            f"| {args.mode} | {extra}; attention backend {getattr(args, 'backend_used', '?')} |\n")
 
 
 def throughput_row(engine: str, tokens: int, seconds: float, bytes_read: int, bw: float | None) -> str:
@@ -159,8 +165,8 @@ def bench_throughput(args, model, dtype, vocab):
 
 def bench_decode1(args, model, dtype):
     """One sequence, 512 prompt tokens, 256 new tokens: tok/s against weights + KV bytes / HBM bandwidth."""
-    llm = LLM(model, device=args.device, dtype=dtype, enforce_eager=args.enforce_eager, max_model_len=1024,
-              max_num_seqs=1, enable_prefix_caching=False)  # every run below does the same full prefill
+    llm = make_llm(args, model, dtype, enforce_eager=args.enforce_eager, max_model_len=1024,
+                   max_num_seqs=1, enable_prefix_caching=False)  # every run below does the same full prefill
     prompt = [random.Random(0).randint(100, 20000) for _ in range(512)]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=256, detokenize=False)
     for max_tokens in (8, 1):  # warm-up: every kernel the timed runs use is compiled here
@@ -180,8 +186,8 @@ def bench_sweep(args, model, dtype):
     """Decode tok/s against batch size (prompts of 512 tokens, 128 new tokens, greedy), each beside its HBM
     bound (weights + that batch's KV read once a step); with --plot, also a PNG of both curves."""
     sizes = args.batch_sizes
-    llm = LLM(model, device=args.device, dtype=dtype, enforce_eager=args.enforce_eager, max_model_len=1024,
-              max_num_seqs=max(sizes), enable_prefix_caching=False)
+    llm = make_llm(args, model, dtype, enforce_eager=args.enforce_eager, max_model_len=1024,
+                   max_num_seqs=max(sizes), enable_prefix_caching=False)
     runner = llm.llm_engine.model_runner
     bw = measure_hbm_bandwidth() if args.device.startswith("cuda") else None
     rng = random.Random(args.seed)
@@ -223,8 +229,8 @@ def bench_sweep(args, model, dtype):
 
 def bench_prefill(args, model, dtype, hf_config):
     """8 prompts of 4096 tokens, one token each: prefill tok/s against the measured bf16 matmul peak."""
-    llm = LLM(model, device=args.device, dtype=dtype, max_model_len=4200, max_num_batched_tokens=8192,
-              enable_prefix_caching=False)
+    llm = make_llm(args, model, dtype, max_model_len=4200, max_num_batched_tokens=8192,
+                   enable_prefix_caching=False)
     rng = random.Random(0)
     prompts = [[rng.randint(100, 20000) for _ in range(4096)] for _ in range(8)]
     params = SamplingParams(max_tokens=1, detokenize=False)
@@ -259,6 +265,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=1, help="throughput mode: timed runs on one engine (the prefix "
                     "cache reset before each); the median run is the last row")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--attention-backend", default=None, help="torch, triton or flash_attn; default: the engine's")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256], help="sweep mode")
     ap.add_argument("--plot", default=None, help="sweep mode: write a PNG of tok/s against batch size here")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers' batched generate")

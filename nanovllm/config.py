@@ -61,15 +61,9 @@ class Config:
         from nanovllm.weights.model_files import load_model_config  # heavy imports stay lazy
 
         self.device = self._resolve_device(self.device)
-        if self.block_size is None:
-            from nanovllm.attention.selector import default_block_size
-
-            self.block_size = default_block_size(self.device, self.attention_backend)
         _require(0 < self.gpu_memory_utilization <= 1,
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
-                 f"block_size must be a power of two from 1 to 256, got {self.block_size}")
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(self.max_num_seqs, 1024 if self.device == "cpu" else 16384)
         _require(self.max_num_batched_tokens >= self.max_num_seqs,
@@ -81,6 +75,12 @@ class Config:
                  f"kv_cache_memory_bytes must be None or > 0, got {self.kv_cache_memory_bytes}")
         hf_config, fmt = load_model_config(self.model)
         dtype = self._resolve_dtype(hf_config)
+        if self.block_size is None:
+            from nanovllm.attention.selector import default_block_size
+
+            self.block_size = default_block_size(self.device, self.attention_backend, dtype)
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
+                 f"block_size must be a power of two from 1 to 256, got {self.block_size}")
         max_model_len = self._resolve_max_model_len(hf_config)
         self.model_config = ModelConfig(os.fspath(self.model), fmt, hf_config, dtype, max_model_len,
                                         self.tokenizer)

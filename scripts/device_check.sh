@@ -9,7 +9,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -s -p no:cacheprovider --durations=15 tests/test_gpu.py tests/test_triton_kernels.py tests/test_layers.py \
-    tests/test_gemv_one_row.py tests/test_paged_decode_cluster.py tests/test_cuda_library.py tests/test_decode_layers.py 2>&1 \
+    tests/test_gemv_one_row.py tests/test_paged_decode_cluster.py tests/test_cuda_library.py tests/test_decode_layers.py \
+    tests/test_flash_attn_backend.py 2>&1 \
     | grep -v "Loading weights" | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if [[ $what == bench || $what == all ]]; then

@@ -30,10 +30,10 @@ class TritonAttentionBackend(AttentionBackend):
         if k_cache is None:
             return self._reference.forward(q, k, v, None, None, meta, scale)
         if meta.num_decodes == meta.num_seqs:  # the decode kernels store the step's keys and values themselves
-            plan = paged_decode_cluster.plan(meta.num_seqs, self.max_model_len, self.device) if self.cuda_decode else None
-            if plan and rope is not None and paged_decode_cluster.takes(q, k_cache, meta.num_seqs):
-                return paged_decode_cluster.paged_decode_cluster(
-                    q, k, v, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping, scale, rope, *plan)
+            out = paged_decode_cluster.decode_step(q, k, v, k_cache, v_cache, meta, scale, rope,
+                                                   self.max_model_len) if self.cuda_decode else None
+            if out is not None:
+                return out
             splits = decode_num_splits(meta.num_seqs, k_cache.shape[2], self.max_model_len, num_sms(q.device))
             return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
                                 new_kv=(k, v, meta.slot_mapping), rope=rope)

@@ -87,7 +87,7 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.gqa_group = self.attention_layers[0].num_heads // self.attention_layers[0].num_kv_heads
         self.backend = get_attention_backend(config.attention_backend, config.device, mc.max_model_len,
-                                             config.block_size)
+                                             config.block_size, mc.dtype)
         # the fused Triton layers, GEMV and sampler go with every GPU backend but the torch reference
         self.fast_kernels = self.device.type == "cuda" and self.backend.name != "torch"
         for layer in self.attention_layers:

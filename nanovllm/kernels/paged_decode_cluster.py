@@ -75,6 +75,17 @@ def takes(q: torch.Tensor, k_cache: torch.Tensor, num_seqs: int) -> bool:
             and why_off(q.device) is None)
 
 
+def decode_step(q, k, v, k_cache, v_cache, meta, scale: float, rope: DecodeRope | None,
+                max_model_len: int) -> torch.Tensor | None:
+    """A decode-only step's attention through this kernel where it takes the step (plan(), takes(); rope given:
+    q and k unrotated), else None: the caller's kernels run it."""
+    step_plan = plan(meta.num_seqs, max_model_len, q.device)
+    if step_plan is None or rope is None or not takes(q, k_cache, meta.num_seqs):
+        return None
+    return paged_decode_cluster(q, k, v, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping, scale,
+                                rope, *step_plan)
+
+
 def paged_decode_cluster(q, k_new, v_new, k_cache, v_cache, block_tables, seq_lens, slot_mapping, scale: float,
                          rope: DecodeRope, splits: int, cap: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, H, D], k_new / v_new: [B, kv_heads, D] this step's unrotated queries and keys and its values (strided
