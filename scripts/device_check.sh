@@ -1,17 +1,25 @@
 #!/bin/bash
 # One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
-#   bash scripts/device_check.sh [tests|bench|all|big|peer|profile|gemv]
+#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv]
+# `tests` is tests1 then tests2; together they take longer than one 10-minute device call (with flash_attn
+# importable, ~190 tests ran in 540 s), so a call runs one of them.
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 what=${1:-all}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
-if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -s -p no:cacheprovider --durations=15 tests/test_gpu.py tests/test_triton_kernels.py tests/test_layers.py \
-    tests/test_gemv_one_row.py tests/test_paged_decode_cluster.py tests/test_cuda_library.py tests/test_decode_layers.py \
-    tests/test_flash_attn_backend.py 2>&1 \
-    | grep -v "Loading weights" | tee "$OUT/gpu_tests.log" | tail -25
+gpu_tests() {  # log name, test files
+  local name=$1; shift
+  python3 -m pytest -q -s -p no:cacheprovider --durations=15 "$@" 2>&1 \
+    | grep -v "Loading weights" | tee "$OUT/gpu_$name.log" | tail -25
+}
+if [[ $what == tests || $what == tests1 || $what == all ]]; then  # the engine and the CUDA kernels
+  gpu_tests tests1 tests/test_gpu.py tests/test_flash_attn_backend.py tests/test_gemv_one_row.py \
+    tests/test_paged_decode_cluster.py tests/test_cuda_library.py tests/test_decode_layers.py
+fi
+if [[ $what == tests || $what == tests2 || $what == all ]]; then  # the Triton kernels and layers
+  gpu_tests tests2 tests/test_triton_kernels.py tests/test_layers.py
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench.py --repeat 3 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -10
