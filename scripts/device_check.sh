@@ -47,6 +47,7 @@ if [[ $what == gemv ]]; then  # one-row GEMVs kernel by kernel: L2 prefetch of W
 fi
 if [[ $what == peer ]]; then  # after scripts/build_llama_cpp.sh
   python3 scripts/peer_llama_cpp.py F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp.md" | tail -4
+  python3 scripts/peer_llama_cpp.py --shape small F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp_small.md" | tail -4
 fi
 if [[ $what == big ]]; then
   python3 -m nanovllm.weights.synthetic llama3-8b /tmp/llama3-8b >/dev/null
