@@ -123,3 +123,17 @@ def test_capacity_and_dispatch_rules():
     cache = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16)
     assert not cluster.takes(q, cache, 1)  # no GPU here, or not this dtype
     assert cluster.why_off(torch.device("cpu")) == "no CUDA GPU"
+
+
+def test_serves_says_when_max_model_len_keeps_the_kernel_out(monkeypatch):
+    """Backends ask serves() once: off where the kernel is off (why_off logged it), and where max_model_len is over
+    what one round holds, logged with what runs those steps instead."""
+    said = []
+    monkeypatch.setattr(cluster, "log_once", said.append)
+    cpu = torch.device("cpu")
+    assert not cluster.serves(1024, cpu, "the Triton kernels") and said == []  # no GPU: why_off says so
+    monkeypatch.setattr(cluster, "why_off", lambda device: None)
+    assert cluster.serves(2048, cpu, "the Triton kernels") and said == []
+    assert not cluster.serves(2049, cpu, "flash-attn")
+    assert said == ["decode steps of few sequences run flash-attn: max_model_len=2049 is over what the CUDA decode "
+                    "kernel holds in shared memory"]

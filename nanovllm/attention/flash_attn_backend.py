@@ -53,8 +53,8 @@ class FlashAttnBackend(AttentionBackend):
         self._varlen, self._with_kvcache, self._store_kv = flash_attn_varlen_func, flash_attn_with_kvcache, store_kv
         self._cuda_decode, self._rotary = paged_decode_cluster.decode_step, rotary_
         self.max_model_len = max_model_len
-        # decode steps take q and k unrotated where the CUDA kernel may take them (built now, not in a capture)
-        self.rotates_decode = paged_decode_cluster.why_off(device) is None
+        # decode steps take q and k unrotated where the CUDA kernel may take some of them
+        self.rotates_decode = paged_decode_cluster.serves(max_model_len, device, "flash-attn")
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope=None):
         if k_cache is None:

@@ -9,7 +9,6 @@ from nanovllm.attention.torch_backend import TorchAttentionBackend
 from nanovllm.kernels import num_sms, paged_decode_cluster
 from nanovllm.kernels.kv_store import store_kv
 from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode, paged_prefill
-from nanovllm.logger import log_once
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -20,10 +19,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, max_model_len: int, device: torch.device):
         self.max_model_len = max_model_len
         self.device = device
-        self.cuda_decode = paged_decode_cluster.why_off(device) is None  # builds it now (not in a graph capture)
-        if self.cuda_decode and paged_decode_cluster.plan(1, max_model_len, device) is None:
-            log_once(f"decode steps of few sequences run the Triton kernels: max_model_len={max_model_len} is over "
-                     "what the CUDA decode kernel holds in shared memory")
+        self.cuda_decode = paged_decode_cluster.serves(max_model_len, device, "the Triton kernels")
         self._reference = TorchAttentionBackend()  # for the memory-profiling run, which has no cache
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope=None):

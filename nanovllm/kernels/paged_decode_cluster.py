@@ -75,6 +75,18 @@ def takes(q: torch.Tensor, k_cache: torch.Tensor, num_seqs: int) -> bool:
             and why_off(q.device) is None)
 
 
+def serves(max_model_len: int, device: torch.device, instead: str) -> bool:
+    """Whether decode steps of few sequences can take this kernel in an engine of this max_model_len (builds it
+    now, not in a graph capture); where not, logs once that `instead` runs them."""
+    if why_off(device) is not None:  # why_off logged the reason
+        return False
+    if plan(1, max_model_len, device) is None:
+        log_once(f"decode steps of few sequences run {instead}: max_model_len={max_model_len} is over what the CUDA "
+                 "decode kernel holds in shared memory")
+        return False
+    return True
+
+
 def decode_step(q, k, v, k_cache, v_cache, meta, scale: float, rope: DecodeRope | None,
                 max_model_len: int) -> torch.Tensor | None:
     """A decode-only step's attention through this kernel where it takes the step (plan(), takes(); rope given:
