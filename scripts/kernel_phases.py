@@ -1,8 +1,8 @@
 """Where the time of a bs=1 decode layer goes, phase by phase inside the CUDA kernels: builds copies of
 csrc/gemv_one_row.cu and csrc/paged_decode_cluster.cu with globaltimer and clock64 stamps (thread 0 of every CTA)
 and swaps them in, then reports mean ns and SM cycles per phase after each kernel's PDL wait for
-  1. one decode step of the engine (Qwen3-0.6B shape, prompt 512, CUDA graph), per GEMV kind, and the skew within
-     the attention's clusters;
+  1. one decode step of the engine (Qwen3-0.6B shape, prompt 512, CUDA graph), per GEMV kind, the skew within
+     the attention's clusters, and a layer's timeline: when each kernel's CTAs start, return from the wait and end;
   2. 28 attention launches alone in a graph;
   3. 28 x (qkv GEMV -> attention -> o GEMV) in a graph.
 usage: python scripts/kernel_phases.py (Hopper GPU, nvcc). Stamps cost a few hundred ns a kernel."""
@@ -134,14 +134,15 @@ def engine_step(libraries):
     llm.generate([prompt], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)  # prefill + one decode
     records = read(libraries)
     report(records, ATTENTION, "engine decode step, attention")
-    kinds = {}
-    for layer in llm.llm_engine.model_runner.model.model.layers:
-        kinds[layer.self_attn.qkv_proj.weight.data_ptr()] = "qkv"
-        kinds[layer.self_attn.o_proj.weight.data_ptr()] = "o"
-        kinds[layer.mlp.gate_up_proj.weight.data_ptr()] = "gate_up"
-        kinds[layer.mlp.down_proj.weight.data_ptr()] = "down"
+    kinds, owners = {}, {}  # pointer -> kernel kind; pointer -> (layer, kind)
+    for i, layer in enumerate(llm.llm_engine.model_runner.model.model.layers):
+        for kind, tensor in (("qkv", layer.self_attn.qkv_proj.weight), ("attention", layer.self_attn.attn.k_cache),
+                             ("o", layer.self_attn.o_proj.weight), ("gate_up", layer.mlp.gate_up_proj.weight),
+                             ("down", layer.mlp.down_proj.weight)):
+            kinds[tensor.data_ptr()], owners[tensor.data_ptr()] = kind, (i, kind)
     for kind in ("qkv", "o", "gate_up", "down"):
         report([r for r in records if r[0] == GEMV and kinds.get(r[1]) == kind], GEMV, f"engine decode step, {kind}")
+    timeline(records, owners, len(llm.llm_engine.model_runner.model.model.layers))
     clusters = {}
     for r in records:
         if r[0] == ATTENTION:
@@ -150,6 +151,41 @@ def engine_step(libraries):
         spread = [max(r[4 + stamp] for r in rs) - min(r[4 + stamp] for r in rs) for rs in clusters.values()]
         print(f"  attention, spread within a cluster of '{what}': mean {sum(spread) / len(spread):.0f} ns, "
               f"max {max(spread)} ns")
+
+
+KERNELS = ("qkv", "attention", "o", "gate_up", "down")
+# stamp indices: a CTA's start, its wait returning, its end
+MOMENTS = {GEMV: (0, 1, 4), ATTENTION: (0, 2, 9)}
+
+
+def timeline(records, owners: dict, num_layers: int):
+    """When each kernel of a layer runs, in ns after the layer's qkv GEMV first returns from its wait, averaged over
+    the middle layers: its CTAs' first / median / last start (did they find room, and how early), the first and
+    last return from the wait, and the last CTA's end. A kernel whose CTAs start only after the one two places
+    before it ended did not launch two kernels ahead."""
+    by_kernel = {}
+    for r in records:
+        if r[1] in owners:
+            by_kernel.setdefault(owners[r[1]], []).append(r)
+    columns = ["first start", "median start", "last start", "first wait return", "last wait return", "last end"]
+    sums = {kind: [0.0] * len(columns) for kind in KERNELS}
+    layers = range(1, num_layers - 1)
+    for layer in layers:
+        rows = {kind: by_kernel.get((layer, kind), []) for kind in KERNELS}
+        if not all(rows.values()):
+            return
+        origin = min(r[4 + MOMENTS[r[0]][1]] for r in rows["qkv"])
+        for kind in KERNELS:
+            start, wait, end = MOMENTS[rows[kind][0][0]]
+            starts = sorted(r[4 + start] for r in rows[kind])
+            waits = [r[4 + wait] for r in rows[kind]]
+            figures = [starts[0], starts[len(starts) // 2], starts[-1], min(waits), max(waits),
+                       max(r[4 + end] for r in rows[kind])]
+            sums[kind] = [a + f - origin for a, f in zip(sums[kind], figures)]
+    print(f"timeline of a layer (ns after its qkv's first wait return, mean of layers {layers.start}-{layers.stop - 1})")
+    print("| kernel | " + " | ".join(columns) + " |\n" + "|---" * (len(columns) + 1) + "|")
+    for kind in KERNELS:
+        print(f"| {kind} | " + " | ".join(f"{v / len(layers):,.0f}" for v in sums[kind]) + " |")
 
 
 def graphs(libraries):
