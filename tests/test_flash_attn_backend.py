@@ -91,18 +91,25 @@ def test_flash_attn_backend_matches_torch_backend(new, flash_attn):
         torch.testing.assert_close(got.nan_to_num(7.0), want.nan_to_num(7.0), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("rotate_here", [False, True])
 @pytest.mark.parametrize("new", [[1, 1, 1], [1] * 6, [1, 9, 23]])
-def test_qwen3_attention_on_flash_attn_matches_torch_backend(new, flash_attn):
+def test_qwen3_attention_on_flash_attn_matches_torch_backend(new, rotate_here, flash_attn, monkeypatch):
     """Qwen3's attention layer in bf16: on a GPU, decode steps of up to 4 sequences take the CUDA decode kernel
-    (q/k norms and rotary inside it), longer ones the rotary kernel, then flash-attn; prefills flash-attn. Output
-    and cache as the torch backend after the rotary twin."""
+    (q/k norms and rotary inside it), longer ones the rotary kernel, then flash-attn; prefills flash-attn.
+    rotate_here: the CUDA kernel serves the engine but takes no step, so every decode step goes through the rotary
+    kernel (on CPU too, under the interpreter). Output and cache as the torch backend after the rotary twin."""
     from transformers import Qwen3Config
 
+    from nanovllm.kernels import paged_decode_cluster
     from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
     from nanovllm.models.llama import LlamaAttention
 
     if DEVICE == "cpu":
-        pytest.importorskip("triton")  # the K/V store kernel runs under the interpreter
+        pytest.importorskip("triton")  # the K/V store and rotary kernels run under the interpreter
+    declined = []
+    if rotate_here:
+        monkeypatch.setattr(paged_decode_cluster, "serves", lambda *args: True)
+        monkeypatch.setattr(paged_decode_cluster, "decode_step", lambda *args: declined.append(1))
     config = Qwen3Config(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                          max_position_embeddings=256)
     g = torch.Generator().manual_seed(9)
@@ -124,6 +131,7 @@ def test_qwen3_attention_on_flash_attn_matches_torch_backend(new, flash_attn):
     torch.testing.assert_close(outputs[1], outputs[0], atol=2e-2, rtol=2e-2)
     for got, want in zip(caches[1], caches[0]):
         torch.testing.assert_close(got.nan_to_num(7.0), want.nan_to_num(7.0), atol=2e-2, rtol=2e-2)
+    assert len(declined) == (rotate_here and meta.num_decodes == meta.num_seqs)
 
 
 def test_flash_attn_is_the_default_where_importable(flash_attn):
