@@ -63,7 +63,10 @@ class FlashAttnBackend(AttentionBackend):
             out = self._cuda_decode(q, k, v, k_cache, v_cache, meta, scale, rope, self.max_model_len)
             if out is not None:
                 return out
-            self._rotary(meta.seq_lens - 1, q, k, rope.cos, rope.sin, rope.q_norm_weight, rope.k_norm_weight, rope.eps)
+            if "positions" not in meta.scratch:  # the same for every layer of this step
+                meta.scratch["positions"] = meta.seq_lens - 1
+            self._rotary(meta.scratch["positions"], q, k, rope.cos, rope.sin, rope.q_norm_weight, rope.k_norm_weight,
+                         rope.eps)
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.num_decodes == meta.num_seqs:
             return self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
