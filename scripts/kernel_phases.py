@@ -134,14 +134,15 @@ def engine_step(libraries):
     llm.generate([prompt], SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)  # prefill + one decode
     records = read(libraries)
     report(records, ATTENTION, "engine decode step, attention")
-    kinds, owners = {}, {}  # pointer -> kernel kind; pointer -> (layer, kind)
+    owners = {}  # a record's pointer -> (layer, kernel kind)
     for i, layer in enumerate(llm.llm_engine.model_runner.model.model.layers):
         for kind, tensor in (("qkv", layer.self_attn.qkv_proj.weight), ("attention", layer.self_attn.attn.k_cache),
                              ("o", layer.self_attn.o_proj.weight), ("gate_up", layer.mlp.gate_up_proj.weight),
                              ("down", layer.mlp.down_proj.weight)):
-            kinds[tensor.data_ptr()], owners[tensor.data_ptr()] = kind, (i, kind)
+            owners[tensor.data_ptr()] = (i, kind)
     for kind in ("qkv", "o", "gate_up", "down"):
-        report([r for r in records if r[0] == GEMV and kinds.get(r[1]) == kind], GEMV, f"engine decode step, {kind}")
+        report([r for r in records if r[0] == GEMV and owners.get(r[1], (0, None))[1] == kind], GEMV,
+               f"engine decode step, {kind}")
     timeline(records, owners, len(llm.llm_engine.model_runner.model.model.layers))
     clusters = {}
     for r in records:

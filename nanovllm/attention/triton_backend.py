@@ -18,7 +18,6 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, max_model_len: int, device: torch.device):
         self.max_model_len = max_model_len
-        self.device = device
         self.cuda_decode = paged_decode_cluster.serves(max_model_len, device, "the Triton kernels")
         self._reference = TorchAttentionBackend()  # for the memory-profiling run, which has no cache
 
