@@ -61,6 +61,22 @@ def test_kernel_phases_script_finds_its_anchors(monkeypatch):
         assert kernel_phases.stamped(name, stamps).count("STAMP(") == len(stamps) + 1  # and the macro
 
 
+def test_kernel_phases_keeps_the_first_decode_step_only(monkeypatch):
+    """The engine may run the next step before the records are read: the timeline keeps the CTAs that start before
+    the second step's first qkv GEMV (layer 0), and all of them when there is one step."""
+    monkeypatch.syspath_prepend(str(cuda_library.CSRC.parent / "scripts"))
+    import kernel_phases
+
+    def record(pointer, start):
+        return [kernel_phases.GEMV, pointer, 0, 0, start] + [0] * 27
+
+    owners = {1: (0, "qkv"), 2: (0, "o")}
+    one_step = [record(1, 0), record(1, 2_000), record(2, 5_000)]
+    two_steps = one_step + [record(1, 800_000), record(1, 801_000), record(2, 805_000)]
+    assert kernel_phases.first_step(two_steps, owners) == one_step
+    assert kernel_phases.first_step(one_step, owners) == one_step
+
+
 @pytest.mark.skipif(cuda_library.nvcc() is None, reason="no nvcc on this machine")
 def test_tile_dot_bench_compiles(tmp_path, monkeypatch):
     """scripts/tile_dot_bench.py (a GPU microbenchmark named in docs/benchmarks.md) still builds against common.cuh."""
