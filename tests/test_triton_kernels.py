@@ -52,7 +52,7 @@ DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [1, 4, 16])
+@pytest.mark.parametrize("num_splits", [1, 2, 4, 16])  # 1-2 splits: a kv-head-major grid
 def test_paged_decode_matches_reference(case, dtype, num_splits):
     seq_lens, page, heads, kv_heads, head_dim = case
     g = torch.Generator().manual_seed(1)

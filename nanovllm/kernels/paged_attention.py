@@ -49,16 +49,22 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
                          stride_knt, stride_vnt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          STORE_NEW: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+                         PRECISION: tl.constexpr, PDL: tl.constexpr, HEADS_FIRST: tl.constexpr):
     """With STORE_NEW, the step's own key and value (k_new, v_new: [B, kv_heads, D] rows) are not in the cache yet:
     the tiles stop before the last position, and the program whose split holds it folds it in from k_new / v_new
     and writes them to the cache at the sequence's slot, which spares a store kernel (no other program reads
     that slot). The tile loop stays as without it, so large batches pay nothing for the fusion.
     With ROPE (and STORE_NEW), q and k_new arrive unrotated: the kernel applies the q/k norms (QK_NORM) and rotary
-    at the new token's position itself, which spares the rotary kernel."""
+    at the new token's position itself, which spares the rotary kernel.
+    HEADS_FIRST: the grid is (kv heads, sequences, splits), so the programs of one sequence's kv heads, which read
+    interleaved 256-byte pieces of the same cache rows, start together."""
     wait_then_release(PDL)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -111,7 +117,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & d_ok)
         return
-    part = (seq * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split
+    part = (seq * tl.num_programs(0 if HEADS_FIRST else 1) * GROUP + heads) * NUM_SPLITS + split
     tl.store(m_ptr + part, m, mask=row_ok)
     tl.store(denom_ptr + part, denom, mask=row_ok)
     tl.store(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None] & d_ok)
@@ -141,6 +147,9 @@ def _precision(q: torch.Tensor) -> str:
 
 
 DECODE_BLOCK_N = 64
+# kv-head-major grids up to this many splits: the kernel alone at bench.py's batches on the H100 (contexts of its
+# workload, rotary and K/V store inside) took 0.6-5% less time at 25-214 sequences (1-2 splits), 4% more at 7 (8)
+HEADS_FIRST_MAX_SPLITS = 2
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
@@ -175,14 +184,16 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
     assert rope is None or (new_kv is not None and rope.cos.stride(0) == D and D % 2 == 0)
     cos, sin, q_norm, k_norm, eps = rope if rope is not None else (q, q, None, None, 0.0)
     qk_norm = q_norm is not None
-    _decode_split_kernel[(B, num_kv_heads, num_splits)](
+    heads_first = num_splits <= HEADS_FIRST_MAX_SPLITS
+    grid = (num_kv_heads, B, num_splits) if heads_first else (B, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, acc, m, denom, out, k_new, v_new, slots, cos, sin,
         q_norm if qk_norm else q, k_norm if qk_norm else q, eps, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_new.stride(0), v_new.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, D_PAD=triton.next_power_of_2(D),
         PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, STORE_NEW=new_kv is not None, ROPE=rope is not None,
-        QK_NORM=qk_norm, PRECISION=_precision(q),
+        QK_NORM=qk_norm, PRECISION=_precision(q), HEADS_FIRST=heads_first,
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(q.device))
     if num_splits > 1:
