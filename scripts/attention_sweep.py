@@ -1,7 +1,10 @@
 """The paged decode kernel alone against HBM bandwidth, over launch configs and cache layouts.
 usage: python scripts/attention_sweep.py [num_seqs] [max_context] [configs|splits] [splits for configs, 4]
+       python scripts/attention_sweep.py bench [step ...]
 configs: block and launch sizes at one split count, cache layouts and page sizes; splits: the shipped config over
-split counts, beside the count decode_num_splits picks for this batch."""
+split counts, beside the count decode_num_splits picks for this batch. bench: the shipped kernel at bench.py's own
+decode batches (its workload's sequences still running at each decode step, longest first, pages handed out in
+order as they grow), as the engine calls it (Qwen3's q/k norms, rotary and the K/V store inside) and without."""
 import itertools
 import random
 import sys
@@ -13,6 +16,71 @@ sys.path.insert(0, ".")
 from bench import measure_hbm_bandwidth  # noqa: E402
 from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode  # noqa: E402
 
+
+def bench_tables(step: int, page: int = 16):
+    """Context lengths and block table of bench.py's sequences still decoding at decode step `step`: prompts'
+    pages first, in order, then a new page each time a sequence crosses a page boundary (blocks freed by finished
+    sequences are not reused here, as they are in the engine)."""
+    from types import SimpleNamespace
+
+    from bench import make_workload
+    prompts, out_lens = make_workload(SimpleNamespace(seed=0, num_seqs=256, input_len=(100, 1024),
+                                                      output_len=(100, 1024)), 151936)
+    lens = [len(p) for p in prompts]
+    pages, taken = [], 0
+    for n in lens:
+        pages.append(list(range(taken, taken + -(-n // page))))
+        taken += -(-n // page)
+    for s in range(1, step + 1):
+        for i, n in enumerate(lens):
+            if out_lens[i] >= s and (n + s - 1) % page == 0:
+                pages[i].append(taken)
+                taken += 1
+    alive = sorted((i for i in range(len(lens)) if out_lens[i] > step), key=lambda i: -lens[i])
+    table = torch.zeros(len(alive), max(len(pages[i]) for i in alive), dtype=torch.int32)
+    for r, i in enumerate(alive):
+        table[r, :len(pages[i])] = torch.tensor(pages[i])
+    return [lens[i] + step for i in alive], table.cuda(), taken
+
+
+def bench_steps(steps: list[int], kv_heads: int = 8, group: int = 2, head_dim: int = 128, page: int = 16):
+    from nanovllm.attention.metadata import DecodeRope
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+    bw = measure_hbm_bandwidth()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"{torch.cuda.get_device_name()}: bench.py's decode batches, Qwen3-0.6B attention, copy bandwidth "
+          f"{bw / 1e12:.2f} TB/s\n| step | seqs | mean context | splits | GB a layer | as the engine calls it, us | of copy bw "
+          "| q rotated, K/V stored before, us | of copy bw |\n|---|---|---|---|---|---|---|---|---|")
+    rotary = RotaryEmbedding(head_dim, 40960, {"rope_type": "default", "rope_theta": 1e6}).cuda()
+    cos, sin = rotary.tables(torch.bfloat16)
+    norm = torch.ones(head_dim, dtype=torch.bfloat16, device="cuda")
+    rope = DecodeRope(cos, sin, norm, norm, 1e-6)
+    for step in steps:
+        lens, table, blocks = bench_tables(step, page)
+        B, kv_bytes = len(lens), sum(lens) * kv_heads * head_dim * 2 * 2
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        qkv = torch.randn(B, (group + 2) * kv_heads * head_dim, dtype=torch.bfloat16, device="cuda")
+        q, k, v = qkv.split([group * kv_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        q, k, v = q.view(B, -1, head_dim), k.view(B, kv_heads, head_dim), v.view(B, kv_heads, head_dim)
+        last = seq_lens.long() - 1
+        slots = table[torch.arange(B, device="cuda"), last // page].long() * page + last % page
+        caches = [tuple(torch.randn(blocks, page, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+                        for _ in range(2)) for _ in range(copies_needed(kv_bytes))]
+        splits = decode_num_splits(B, kv_heads, 2048, sms)
+        fused = graph_time([lambda kc=kc, vc=vc: paged_decode(q, kc, vc, table, seq_lens, head_dim ** -0.5, splits,
+                                                                new_kv=(k, v, slots), rope=rope) for kc, vc in caches])
+        q_flat = q.contiguous()
+        plain = graph_time([lambda kc=kc, vc=vc: paged_decode(q_flat, kc, vc, table, seq_lens, head_dim ** -0.5, splits)
+                            for kc, vc in caches])
+        print(f"| {step} | {B} | {sum(lens) / B:.0f} | {splits} | {kv_bytes / 1e9:.3f} | {fused * 1e6:.1f} "
+              f"| {kv_bytes / fused / bw:.0%} | {plain * 1e6:.1f} | {kv_bytes / plain / bw:.0%} |")
+        del caches
+
+
+if len(sys.argv) > 1 and sys.argv[1] == "bench":
+    bench_steps([int(a) for a in sys.argv[2:]] or [200, 500, 850, 950])
+    sys.exit(0)
 num_seqs = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 max_context = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
 mode = sys.argv[3] if len(sys.argv) > 3 else "configs"
