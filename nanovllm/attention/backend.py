@@ -20,3 +20,13 @@ class AttentionBackend:
                 v_cache: torch.Tensor | None, meta: AttentionMetadata, scale: float,
                 rope: DecodeRope | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+
+def rotate_decode(q: torch.Tensor, k: torch.Tensor, rope: DecodeRope, meta: AttentionMetadata) -> None:
+    """A decode step's q and k (unrotated: the backend took `rope`) normed and rotated in place at each sequence's
+    last position by the rotary kernel, for a decode kernel that does not rotate them itself."""
+    from nanovllm.kernels.rotary import rotary_
+
+    if "positions" not in meta.scratch:  # the same for every layer of this step
+        meta.scratch["positions"] = meta.seq_lens - 1
+    rotary_(meta.scratch["positions"], q, k, rope.cos, rope.sin, rope.q_norm_weight, rope.k_norm_weight, rope.eps)

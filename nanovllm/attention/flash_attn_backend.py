@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from nanovllm.attention.backend import AttentionBackend
+from nanovllm.attention.backend import AttentionBackend, rotate_decode
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.torch_backend import TorchAttentionBackend
 
@@ -48,10 +48,9 @@ class FlashAttnBackend(AttentionBackend):
 
         from nanovllm.kernels import paged_decode_cluster
         from nanovllm.kernels.kv_store import store_kv
-        from nanovllm.kernels.rotary import rotary_
 
         self._varlen, self._with_kvcache, self._store_kv = flash_attn_varlen_func, flash_attn_with_kvcache, store_kv
-        self._cuda_decode, self._rotary = paged_decode_cluster.decode_step, rotary_
+        self._cuda_decode = paged_decode_cluster.decode_step
         self.max_model_len = max_model_len
         # decode steps take q and k unrotated where the CUDA kernel may take some of them
         self.rotates_decode = paged_decode_cluster.serves(max_model_len, device, "flash-attn")
@@ -63,10 +62,7 @@ class FlashAttnBackend(AttentionBackend):
             out = self._cuda_decode(q, k, v, k_cache, v_cache, meta, scale, rope, self.max_model_len)
             if out is not None:
                 return out
-            if "positions" not in meta.scratch:  # the same for every layer of this step
-                meta.scratch["positions"] = meta.seq_lens - 1
-            self._rotary(meta.scratch["positions"], q, k, rope.cos, rope.sin, rope.q_norm_weight, rope.k_norm_weight,
-                         rope.eps)
+            rotate_decode(q, k, rope, meta)
         self._store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.num_decodes == meta.num_seqs:
             return self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.seq_lens,
