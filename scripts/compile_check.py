@@ -21,7 +21,6 @@ from triton.runtime.jit import JITFunction
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "compile_check compiles kernels: run it without TRITON_INTERPRET=1"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from nanovllm.attention.metadata import DecodeRope  # noqa: E402
 from nanovllm.kernels.activation import silu_and_mul  # noqa: E402
 from nanovllm.kernels.gemv import gemv  # noqa: E402
 from nanovllm.kernels.kv_store import store_kv  # noqa: E402
@@ -121,9 +120,6 @@ def launch_everything():
         paged_decode(q, k_cache, v_cache, tables, lens, 0.088, splits)
         new_kv = (kv[:, 2048:3072].view(8, 8, 128), kv[:, 3072:].view(8, 8, 128), torch.arange(8))
         paged_decode(q, k_cache, v_cache, tables, lens, 0.088, splits, new_kv=new_kv)
-        table = torch.randn(4096, 128, **bf16)  # Qwen3's q/k norms and rotary inside the kernel
-        paged_decode(q, k_cache, v_cache, tables, lens, 0.088, splits, new_kv=new_kv,
-                     rope=DecodeRope(table, table, torch.ones(128, **bf16), torch.ones(128, **bf16), 1e-6))
     starts = torch.arange(0, 9 * 8, 8, dtype=torch.int32)
     tile_tokens = prefill_tile_tokens(2)  # Qwen3-0.6B's group of 2 query heads a KV head
     tiles = torch.from_numpy(prefill_tiles([8] * 8, tile_tokens))

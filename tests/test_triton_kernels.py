@@ -106,42 +106,6 @@ def _rotary_and_norms(head_dim, max_position, dtype, qk_norm, g):
     return rope, norms
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [1, 4])
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_paged_decode_rotating_q_and_k_matches_rotary_then_decode(case, dtype, num_splits, qk_norm):
-    """The decode kernel given unrotated q and k (and Qwen3's q/k norms): the rotary twin at each sequence's last
-    position, then decode; the cache gets the rotated key."""
-    from nanovllm.attention.metadata import DecodeRope
-
-    seq_lens, page, heads, kv_heads, head_dim = case
-    g = torch.Generator().manual_seed(11)
-    k_cache, v_cache, tables = _paged_cache(seq_lens, page, kv_heads, head_dim, dtype, g)
-    rope, norms = _rotary_and_norms(head_dim, 8192, dtype, qk_norm, g)
-    B = len(seq_lens)
-    qkv = torch.randn(B, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(DEVICE)
-    q = qkv[:, :heads * head_dim].view(B, heads, head_dim)
-    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(B, kv_heads, head_dim)
-    v = qkv[:, (heads + kv_heads) * head_dim:].view(B, kv_heads, head_dim)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    last = lens.long() - 1
-    slots = tables[torch.arange(B, device=DEVICE), last // page].long() * page + last % page
-    k_cache.view(-1, kv_heads, head_dim)[slots] = float("nan")
-    v_cache.view(-1, kv_heads, head_dim)[slots] = float("nan")
-    want_q, want_k = rope.forward_native(last, q, k, *norms)
-    want_caches = (k_cache.clone(), v_cache.clone())
-    want = paged_decode(want_q.contiguous(), *want_caches, tables, lens, head_dim ** -0.5, num_splits,
-                        new_kv=(want_k.contiguous(), v, slots))
-    cos, sin = rope.tables(dtype)
-    fused = DecodeRope(cos, sin, norms[0].weight if qk_norm else None, norms[1].weight if qk_norm else None, 1e-6)
-    got = paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, num_splits, new_kv=(k, v, slots),
-                       rope=fused)
-    torch.testing.assert_close(got.float(), want.float(), **kernel_tol(dtype))
-    _exact_or_close(k_cache.view(-1, kv_heads, head_dim)[slots], want_k, dtype)
-    assert torch.equal(v_cache.nan_to_num(7.0), want_caches[1].nan_to_num(7.0))
-
-
 def _step(new, heads, kv_heads, head_dim, g, seq_lens=(1, 17, 40), page=16):
     """A step's metadata (`new` tokens per sequence, seq_lens the context after it) and a cache whose slots for
     the step's tokens are NaN (not written yet)."""
@@ -190,8 +154,9 @@ def test_triton_backend_matches_torch_backend(step):
 
 @pytest.mark.parametrize("step", ["decode", "prefill"])
 def test_qwen3_attention_on_triton_matches_torch_backend(step):
-    """Qwen3's attention layer: on decode steps the Triton backend's kernel applies the q/k norms and rotary
-    itself (the rotary kernel is skipped); output and cache as the torch backend after the rotary twin."""
+    """Qwen3's attention layer: on decode steps the Triton backend takes q and k unrotated and applies the q/k
+    norms and rotary itself (the CUDA kernel of few sequences, else the rotary kernel before the decode kernel; the
+    layer's rotary is skipped); output and cache as the torch backend after the rotary twin."""
     from transformers import Qwen3Config
 
     from nanovllm.attention.torch_backend import TorchAttentionBackend

@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.pdl import pdl_launch, wait_then_release
-from nanovllm.kernels.rotary import rope_rows
 
 
 @triton.jit
@@ -43,19 +42,18 @@ def _online_softmax_step(q, k, v, allowed, m, denom, acc, scale, PRECISION: tl.c
 
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                         acc_ptr, m_ptr, denom_ptr, out_ptr, k_new_ptr, v_new_ptr, slot_ptr, cos_ptr, sin_ptr,
-                         q_norm_ptr, k_norm_ptr, eps, scale,
+                         acc_ptr, m_ptr, denom_ptr, out_ptr, k_new_ptr, v_new_ptr, slot_ptr, scale,
                          stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
                          stride_knt, stride_vnt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                          D_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         STORE_NEW: tl.constexpr, ROPE: tl.constexpr, QK_NORM: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr, HEADS_FIRST: tl.constexpr):
+                         STORE_NEW: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                         HEADS_FIRST: tl.constexpr):
     """With STORE_NEW, the step's own key and value (k_new, v_new: [B, kv_heads, D] rows) are not in the cache yet:
     the tiles stop before the last position, and the program whose split holds it folds it in from k_new / v_new
     and writes them to the cache at the sequence's slot, which spares a store kernel (no other program reads
-    that slot). The tile loop stays as without it, so large batches pay nothing for the fusion.
-    With ROPE (and STORE_NEW), q and k_new arrive unrotated: the kernel applies the q/k norms (QK_NORM) and rotary
-    at the new token's position itself, which spares the rotary kernel.
+    that slot). The tile loop stays as without it, so large batches pay nothing for the fusion. (Rotary applied
+    here as well, before the tiles, cost 3-9% of the kernel at bench.py's batches on the H100, and bench.py ran
+    0.7% faster with the rotary kernel before this one.)
     HEADS_FIRST: the grid is (kv heads, sequences, splits), so the programs of one sequence's kv heads, which read
     interleaved 256-byte pieces of the same cache rows, start together."""
     wait_then_release(PDL)
@@ -74,14 +72,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
     heads = kv_head * GROUP + g
-    q_rows = q_ptr + seq * stride_qt + heads[:, None] * stride_qh
-    q_ok = (g[:, None] < GROUP) & (d[None, :] < HEAD_DIM)
-    q = tl.load(q_rows + d[None, :], mask=q_ok, other=0.0)
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=(g[:, None] < GROUP) & (d[None, :] < HEAD_DIM), other=0.0)
     last = seq_len - 1
-    partner = tl.where(d < HEAD_DIM // 2, d + HEAD_DIM // 2, d - HEAD_DIM // 2)
-    if ROPE:
-        q_partner = tl.load(q_rows + partner[None, :], mask=q_ok, other=0.0)
-        q = rope_rows(q, q_partner, d, partner, last, cos_ptr, sin_ptr, q_norm_ptr, eps, HEAD_DIM, QK_NORM)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
@@ -93,12 +86,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
         m, denom, acc = _online_softmax_step(q, k, v, valid[None, :], m, denom, acc, scale, PRECISION)
     if STORE_NEW:
         if (start <= last) & (last < end):  # this split holds the new token: fold it in from the inputs, store it
-            k_row = k_new_ptr + seq * stride_knt + kv_head * HEAD_DIM
-            k_new = tl.load(k_row + d[None, :], mask=d_ok, other=0.0)  # [1, D_PAD]
-            if ROPE:
-                k_partner = tl.load(k_row + partner[None, :], mask=d_ok, other=0.0)
-                k_new = rope_rows(k_new, k_partner, d, partner, last, cos_ptr, sin_ptr, k_norm_ptr, eps, HEAD_DIM,
-                                  QK_NORM)
+            k_new = tl.load(k_new_ptr + seq * stride_knt + kv_head * HEAD_DIM + d[None, :], mask=d_ok, other=0.0)
             v_new = tl.load(v_new_ptr + seq * stride_vnt + kv_head * HEAD_DIM + d, mask=d < HEAD_DIM, other=0.0)
             s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale
             m_new = tl.maximum(m, s_new)
@@ -163,12 +151,10 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_model_len: int, num_
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out=None,
-                 block_n=None, num_warps=4, num_stages=None, new_kv=None, rope=None):
+                 block_n=None, num_warps=4, num_stages=None, new_kv=None):
     """q: [B, H, D] -> [B, H, D]. num_splits is fixed by the caller (a CUDA graph bakes the grid in).
     new_kv: (k, v, slot_mapping) of this step's tokens, [B, kv_heads, D] each (strided rows of a fused qkv are
     fine), when they are not in the cache yet: the kernel attends to them and stores them (no store_kv).
-    rope (with new_kv): an attention.metadata.DecodeRope; q and k are unrotated, and the kernel norms and rotates
-    them at position seq_len - 1.
     One split (large batches) reads 128-key tiles 3 stages deep: 2% faster than 64-key tiles at 256 sequences
     on the H100 (scripts/attention_sweep.py 256 2048 configs 1), where this kernel is most of the step."""
     if block_n is None:
@@ -181,19 +167,15 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
     acc, m, denom = decode_workspace(B, H, D, num_splits, q.device) if num_splits > 1 else (out, out, out)
     k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)
     assert new_kv is None or (k_new.stride(2) == 1 and k_new.stride(1) == D and v_new.stride(1) == D)
-    assert rope is None or (new_kv is not None and rope.cos.stride(0) == D and D % 2 == 0)
-    cos, sin, q_norm, k_norm, eps = rope if rope is not None else (q, q, None, None, 0.0)
-    qk_norm = q_norm is not None
     heads_first = num_splits <= HEADS_FIRST_MAX_SPLITS
     grid = (num_kv_heads, B, num_splits) if heads_first else (B, num_kv_heads, num_splits)
     _decode_split_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, acc, m, denom, out, k_new, v_new, slots, cos, sin,
-        q_norm if qk_norm else q, k_norm if qk_norm else q, eps, scale,
+        q, k_cache, v_cache, block_tables, seq_lens, acc, m, denom, out, k_new, v_new, slots, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_new.stride(0), v_new.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, D_PAD=triton.next_power_of_2(D),
-        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, STORE_NEW=new_kv is not None, ROPE=rope is not None,
-        QK_NORM=qk_norm, PRECISION=_precision(q), HEADS_FIRST=heads_first,
+        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits, STORE_NEW=new_kv is not None, PRECISION=_precision(q),
+        HEADS_FIRST=heads_first,
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(q.device))
     if num_splits > 1:

@@ -35,27 +35,6 @@ def _rope_heads(ptr, stride_h, num_heads, w_ptr, cos, sin, eps, half, HAS_NORM: 
 
 
 @triton.jit
-def rope_rows(x, x_partner, d, partner, pos, cos_ptr, sin_ptr, w_ptr, eps, HEAD_DIM: tl.constexpr,
-              HAS_NORM: tl.constexpr):
-    """_rope_heads on whole head rows held in registers: x [rows, D_PAD], x_partner its rotary partners (column
-    partner = d -+ D/2), normed (with w) and rotated at position `pos`, rounded as the twin; in x's dtype."""
-    dtype = x.dtype
-    ok = d < HEAD_DIM
-    a = x.to(tl.float32)
-    b = x_partner.to(tl.float32)
-    if HAS_NORM:
-        inv_rms = 1.0 / tl.sqrt(tl.sum(a * a, axis=1) / HEAD_DIM + eps)
-        w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)[None, :]
-        w_partner = tl.load(w_ptr + partner, mask=ok, other=0.0).to(tl.float32)[None, :]
-        a = round_to(round_to(a * inv_rms[:, None], dtype) * w, dtype)
-        b = round_to(round_to(b * inv_rms[:, None], dtype) * w_partner, dtype)
-    cos = tl.load(cos_ptr + pos * HEAD_DIM + d, mask=ok, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(sin_ptr + pos * HEAD_DIM + d, mask=ok, other=0.0).to(tl.float32)[None, :]
-    sign = tl.where(d < HEAD_DIM // 2, -1.0, 1.0)[None, :]  # the first half takes -x2 * sin, the second +x1 * sin
-    return (round_to(a * cos, dtype) + sign * round_to(b * sin, dtype)).to(dtype)
-
-
-@triton.jit
 def _rotary_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, stride_qt, stride_qh, stride_kt,
                    stride_kh, num_q_heads, num_k_heads, half, eps, HAS_NORM: tl.constexpr, Q_HEADS: tl.constexpr,
                    K_HEADS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
