@@ -15,7 +15,7 @@ from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode, pa
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
-    rotates_decode = True  # decode steps of few sequences: the CUDA kernel applies rotary (and q/k norms) itself
+    rotates_decode = True  # decode steps take rope: the CUDA kernel of few sequences applies it, else rotate_decode
 
     def __init__(self, max_model_len: int, device: torch.device):
         self.max_model_len = max_model_len

@@ -17,9 +17,9 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 rope: DecodeRope | None = None) -> torch.Tensor:
-        """rope (only where rotates_in_kernel): q and k are unrotated, the backend's kernel rotates them."""
+        """rope (only where rotates_in_kernel): q and k are unrotated, the backend rotates them."""
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, rope)
 
     def rotates_in_kernel(self, meta: AttentionMetadata) -> bool:
-        """Whether this step's attention kernel applies rotary itself: decode steps on a backend that can."""
+        """Whether this step's attention backend applies rotary itself: decode steps on a backend that does."""
         return self.k_cache is not None and self.backend.rotates_decode and meta.num_decodes == meta.num_seqs

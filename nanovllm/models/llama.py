@@ -32,7 +32,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.attn.rotates_in_kernel(meta):  # the decode kernel norms and rotates q and k itself
+        if self.attn.rotates_in_kernel(meta):  # the attention backend norms and rotates q and k itself
             out = self.attn(q, k, v, meta, self.rotary.decode_rope(q.dtype, self.q_norm, self.k_norm))
         else:
             q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
