@@ -136,7 +136,8 @@ def _precision(q: torch.Tensor) -> str:
 
 DECODE_BLOCK_N = 64
 # kv-head-major grids up to this many splits: the kernel alone at bench.py's batches on the H100 (contexts of its
-# workload, rotary and K/V store inside) took 0.6-5% less time at 25-214 sequences (1-2 splits), 4% more at 7 (8)
+# workload; measured while the kernel still applied rotary itself) took 0.6-5% less time at 25-214 sequences (1-2
+# splits), 4% more at 7 (8)
 HEADS_FIRST_MAX_SPLITS = 2
 
 
