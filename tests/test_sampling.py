@@ -156,6 +156,19 @@ def test_sampling_frequencies_follow_probabilities():
     assert torch.allclose(freq, probs, atol=0.015)
 
 
+def test_noise_never_gives_a_token_an_infinite_score():
+    """Seed 2615, step 0, token 3923 hash to the largest noise draw; its uniform once rounded to 1 (E = 0, an
+    infinite score), so ~1% of draws over a 150K vocabulary took a token whatever its probability."""
+    from nanovllm.layers.sampler import log_exponential_noise
+
+    seeds, steps = torch.tensor([2615]), torch.tensor([0])
+    noise = log_exponential_noise(seeds, steps, 4096)
+    assert torch.isfinite(noise).all() and noise[0].argmin() == 3923
+    logits = torch.zeros(1, 4096)
+    logits[0, 0] = 30.0  # all but ~1e-10 of the probability
+    assert gumbel_argmax_reference(logits, seeds, steps).item() == 0
+
+
 def test_greedy_is_argmax():
     logits = torch.randn(3, 100)
     t = _tensors(3, 100, temperature=torch.zeros(3), all_greedy=True)

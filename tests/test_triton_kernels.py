@@ -13,6 +13,7 @@ from nanovllm.kernels.gemv import gemv, gemv_reference
 from nanovllm.kernels.kv_store import store_kv
 from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode, paged_prefill, prefill_tile_tokens, prefill_tiles
 from nanovllm.kernels.rounding import round_to
+from nanovllm.kernels.sampling import _log_exponential
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -317,6 +318,38 @@ def test_gumbel_argmax_matches_reference(vocab, num_splits):
     got = gumbel_argmax(logits, seeds, steps, num_splits=num_splits)
     assert got.tolist() == gumbel_argmax_reference(logits, seeds, steps).tolist()
     assert got[0] < vocab // 2 and got[1] == vocab - 1
+
+
+def test_gumbel_argmax_never_draws_an_improbable_token():
+    """The draw whose noise is the largest possible (seed 2615, step 0, token 3923) stays finite: the token with
+    all the probability wins, with or without a temperature."""
+    from nanovllm.kernels.sampling import gumbel_argmax
+
+    logits = torch.zeros(2, 4096, device=DEVICE)
+    logits[:, 0] = 30.0
+    seeds, steps = torch.full((2,), 2615, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    assert gumbel_argmax(logits, seeds, steps).tolist() == [0, 0]
+    assert gumbel_argmax(logits, seeds, steps, torch.ones(2, device=DEVICE)).tolist() == [0, 0]
+
+
+@triton.jit
+def _log_exponential_probe(bits_ptr, out_ptr, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bits = tl.load(bits_ptr + offs, mask=offs < n, other=0).to(tl.uint32)
+    tl.store(out_ptr + offs, _log_exponential(bits, FAST), mask=offs < n)
+
+
+def test_log_exponential_matches_exact_logs():
+    """log E of the sampling kernel at every uniform it can draw (on the GPU; a spread of them on CPU), against
+    float64: compiled, with the hardware lg2 and the series near u = 1, within 4e-6 (the bound its docstring gives)."""
+    k = torch.arange(1 << 23, dtype=torch.int64)
+    if DEVICE == "cpu":
+        k = torch.cat([k[:256], k[(1 << 22) - 128:(1 << 22) + 128], k[-(1 << 19) - 128:-(1 << 19) + 128], k[-256:]])
+    exact = torch.log(-torch.log((k.double() + 0.5) / (1 << 23)))
+    bits = (k << 9).to(torch.int32 if DEVICE == "cpu" else torch.int64).to(DEVICE)
+    out = torch.empty(k.shape[0], dtype=torch.float32, device=DEVICE)
+    _log_exponential_probe[(triton.cdiv(k.shape[0], 1024),)](bits, out, k.shape[0], FAST=DEVICE == "cuda", BLOCK=1024)
+    assert (out.double().cpu() - exact).abs().max() < 4e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

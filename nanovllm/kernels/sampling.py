@@ -2,7 +2,8 @@
 drawn from a counter-based hash of (seed, step, token id); a row at temperature 0 takes the plain argmax.
 The logits are read in the model's dtype, so the common case (temperature only) costs one read of them. A
 batch of few rows splits each row's vocabulary over several programs, whose best scores a second kernel merges.
-Reference: layers.sampler.gumbel_argmax_reference."""
+Compiled, log E takes two hardware lg2 approximations (_log_exponential); the reference computes it with exact
+logs, so a draw can differ only where two scores are within ~3e-6. Reference: layers.sampler.gumbel_argmax_reference."""
 import os
 
 import torch
@@ -25,10 +26,33 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
+@triton.jit
+def _lg2(x, FAST: tl.constexpr):
+    if FAST:  # the SFU's log2: 2^-22 absolute error on [0.5, 2], 2 ulp elsewhere
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return tl.log2(x)
+
+
+@triton.jit
+def _log_exponential(bits, FAST: tl.constexpr):
+    """log E, E = -log(u) ~ Exp(1) for u = ((bits >> 9) + 0.5) / 2^23, as layers.sampler.log_exponential_noise.
+    FAST: lg2 approximations instead of two libdevice logs (~60 instructions an element). Where u > 15/16, lg2's
+    absolute error would be large against E ~ 1 - u, so E there is the series of -log(1 - v) in v = 1 - u (exact
+    in fp32); E's relative error stays below ~3e-6, and so does log E's absolute error."""
+    uniform = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    if not FAST:
+        return tl.log(-tl.log(uniform))
+    v = 1.0 - uniform
+    near_one = v * (1.0 + v * (0.5 + v * (0.3333333333 + v * (0.25 + v * (0.2 + v * 0.1666666667)))))
+    e = tl.where(v < 0.0625, near_one, -0.6931471805599453 * _lg2(uniform, FAST))
+    return 0.6931471805599453 * _lg2(e, FAST)
+
+
 @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count: none mid-run
 def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, part_score_ptr, part_idx_ptr, vocab,
                           stride, split_len, num_splits, HAS_TEMPERATURE: tl.constexpr, BLOCK: tl.constexpr,
-                          PDL: tl.constexpr):
+                          FAST_LOG: tl.constexpr, PDL: tl.constexpr):
     """One program per (row, vocabulary split): the best score of its split and where it is."""
     wait_then_release(PDL)
     row = tl.program_id(0)
@@ -47,12 +71,11 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, p
         offs = start + tl.arange(0, BLOCK)
         ok = offs < end
         logit = tl.load(logits_ptr + row * stride + offs, mask=ok, other=float("-inf")).to(tl.float32)
-        bits = _mix32(key + offs.to(tl.uint32) * tl.full([], 0x9E3779B9, tl.uint32))
-        uniform = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        if HAS_TEMPERATURE:  # as the reference: times 1 / temperature, then add the noise
-            logit = tl.where(temperature > 0, logit * inverse - tl.log(-tl.log(uniform)), logit)
+        noise = _log_exponential(_mix32(key + offs.to(tl.uint32) * tl.full([], 0x9E3779B9, tl.uint32)), FAST_LOG)
+        if HAS_TEMPERATURE:  # as the reference: times 1 / temperature, then subtract log E
+            logit = tl.where(temperature > 0, logit * inverse - noise, logit)
         else:
-            logit = logit - tl.log(-tl.log(uniform))
+            logit = logit - noise
         score = tl.where(ok, logit, float("-inf"))
         better = score > lane_best
         lane_best = tl.where(better, score, lane_best)
@@ -111,7 +134,8 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
     launch = pdl_launch(logits.device)
     _gumbel_argmax_kernel[(rows, splits)](logits, seeds, steps, temperature if has_temperature else seeds, out,
                                           part_score, part_idx, vocab, logits.stride(0), split_len, splits,
-                                          HAS_TEMPERATURE=has_temperature, BLOCK=block, num_warps=8, **launch)
+                                          HAS_TEMPERATURE=has_temperature, BLOCK=block, FAST_LOG=not INTERPRETED,
+                                          num_warps=8, **launch)
     if splits > 1:
         _gumbel_merge_kernel[(rows,)](part_score, part_idx, out, splits, MAX_SPLITS=MAX_SPLITS, **launch)
     return out

@@ -40,7 +40,9 @@ def log_exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: 
     in place on one [B, V] buffer: on CPU this is a large share of a sampled decode step."""
     key = _mix32(_uint32_bits(seeds) ^ _mix32(_uint32_bits(steps + 0x3C6EF372)))
     bits = _mix32(key[:, None] + _token_term(vocab_size, seeds.device)[None, :])
-    uniform = ((bits >> 8) & 0xFFFFFF).float().add_(0.5).mul_(1.0 / (1 << 24))
+    # u from 23 bits: k + 0.5 is exact in fp32, so u stays inside (0, 1). From 24, the largest k rounded to u = 1,
+    # E = 0: a token drawn at an infinite score, whatever its probability (~1% of draws over a 150K vocabulary)
+    uniform = ((bits >> 9) & 0x7FFFFF).float().add_(0.5).mul_(1.0 / (1 << 23))
     return uniform.log_().neg_().log_()
 
 
