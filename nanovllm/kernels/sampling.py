@@ -27,11 +27,10 @@ def _mix32(x):
 
 
 @triton.jit
-def _lg2(x, FAST: tl.constexpr):
-    if FAST:  # the SFU's log2: 2^-22 absolute error on [0.5, 2], 2 ulp elsewhere
-        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    return tl.log2(x)
+def _lg2_approx(x):
+    """The SFU's log2: 2^-22 absolute error on [0.5, 2], 2 ulp elsewhere."""
+    return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
 
 
 @triton.jit
@@ -45,8 +44,8 @@ def _log_exponential(bits, FAST: tl.constexpr):
         return tl.log(-tl.log(uniform))
     v = 1.0 - uniform
     near_one = v * (1.0 + v * (0.5 + v * (0.3333333333 + v * (0.25 + v * (0.2 + v * 0.1666666667)))))
-    e = tl.where(v < 0.0625, near_one, -0.6931471805599453 * _lg2(uniform, FAST))
-    return 0.6931471805599453 * _lg2(e, FAST)
+    e = tl.where(v < 0.0625, near_one, -0.6931471805599453 * _lg2_approx(uniform))
+    return 0.6931471805599453 * _lg2_approx(e)
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count: none mid-run
