@@ -1,6 +1,7 @@
 """Where bench.py's throughput run spends its time: engine steps timed one by one and grouped by what they
 ran (prefill, or decode at a batch size range), each group beside its HBM bound (weights + KV read) and the
-host's wait for the step's tokens (near 0: the host, not the GPU, set the pace); then the run's garbage collections.
+host's wait for the step's tokens (near 0: the host, not the GPU, set the pace) and how many steps it did not wait
+at all; then the run's garbage collections.
 With --trace FIRST:LAST ..., those step windows also run under torch.profiler: per window, how busy the GPU was,
 its kernels, and its idle gaps, largest first (a window's first step starts on an
 idle GPU: the profiler starts after a synchronize). --export DIR writes each window's Chrome trace.
@@ -66,18 +67,17 @@ def recording_launch(seqs, **kw):
 
 
 runner.launch = recording_launch
-waited = [0.0]  # host seconds spent in collect(): waiting for a step's tokens (GPU-bound while it is > 0)
-collect = runner.collect
+waited = [0.0]  # host seconds spent waiting for a step's tokens (collect's event wait; GPU-bound while it is > 0)
+event_wait = torch.cuda.Event.synchronize
 
 
-def timed_collect(handle):
+def timed_event_wait(event):
     t0 = time.perf_counter()
-    out = collect(handle)
+    event_wait(event)
     waited[0] += time.perf_counter() - t0
-    return out
 
 
-runner.collect = timed_collect
+torch.cuda.Event.synchronize = timed_event_wait
 gc_runs = collections.defaultdict(lambda: [0, 0.0])  # generation -> collections, seconds
 gc_start = [0.0]
 
@@ -103,10 +103,12 @@ def counting_compile(self, *a, **kw):
 
 JITFunction._do_compile = counting_compile
 prefill_ms = []
+HOST_BOUND_WAIT = 20e-6  # seconds: a step whose tokens were ready this soon was waiting on the host
 for i, (p, n) in enumerate(zip(prompts, out_lens)):
     engine.add_request(str(i), p, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, seed=i,
                                                  detokenize=False))
-groups = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0])  # steps, seconds, bound bytes, seconds waited
+# steps, seconds, bound bytes, seconds waited, steps the host did not wait for (it, not the GPU, set their pace)
+groups = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0])
 torch.cuda.synchronize()
 gc.callbacks.append(gc_callback)  # from here: the timed run
 start = time.perf_counter()
@@ -142,15 +144,17 @@ while engine.has_unfinished_requests():
     g[1] += dt
     g[2] += runner.weight_bytes + context * runner.kv_bytes_per_token
     g[3] += waited[0]
+    g[4] += waited[0] < HOST_BOUND_WAIT
 total = time.perf_counter() - start - traced  # less the reporting of traced windows
 bw = measure_hbm_bandwidth()
 print(f"{torch.cuda.get_device_name()}: {args.num_seqs} seqs, total {total:.2f} s, copy bandwidth {bw / 1e12:.2f} TB/s")
-print("| steps | count | seconds | ms/step | bound ms/step | of bound | share of run | host waited ms/step |\n"
-      "|---|---|---|---|---|---|---|---|")
+print("| steps | count | seconds | ms/step | bound ms/step | of bound | share of run | host waited ms/step "
+      f"| host-bound steps (waited < {HOST_BOUND_WAIT * 1e3:g} ms) |\n"
+      "|---|---|---|---|---|---|---|---|---|")
 for key in sorted(groups):
-    n, s, b, w = groups[key]
+    n, s, b, w, host_bound = groups[key]
     print(f"| {key} | {n} | {s:.2f} | {s / n * 1e3:.2f} | {b / bw / n * 1e3:.2f} | {b / bw / s:.0%} | {s / total:.0%} "
-          f"| {w / n * 1e3:.2f} |")
+          f"| {w / n * 1e3:.2f} | {host_bound} |")
 print("garbage collections in the timed run: " + ", ".join(
     f"gen {g}: {n} ({t * 1e3:.1f} ms)" for g, (n, t) in sorted(gc_runs.items())))
 print(f"prefill steps, ms: {' '.join(prefill_ms)}")
