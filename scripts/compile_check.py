@@ -22,6 +22,7 @@ from triton.runtime.jit import JITFunction
 assert os.environ.get("TRITON_INTERPRET") != "1", "compile_check compiles kernels: run it without TRITON_INTERPRET=1"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nanovllm.kernels.activation import silu_and_mul  # noqa: E402
+from nanovllm.kernels.decode_inputs import advance_decode_inputs, prepare_decode_inputs  # noqa: E402
 from nanovllm.kernels.gemv import gemv  # noqa: E402
 from nanovllm.kernels.kv_store import store_kv  # noqa: E402
 from nanovllm.kernels.paged_attention import paged_decode, paged_prefill, prefill_tile_tokens, prefill_tiles  # noqa: E402
@@ -115,6 +116,9 @@ def launch_everything():
     store_kv(kv[:, 2048:3072].view(8, 8, 128), kv[:, 3072:].view(8, 8, 128), k_cache, v_cache, torch.arange(8))
     tables = torch.zeros(8, 16, dtype=torch.int32)
     lens = torch.full((8,), 100, dtype=torch.int32)
+    positions, num_rows = torch.zeros(8, dtype=torch.int64), torch.ones(1, dtype=torch.int32)
+    prepare_decode_inputs(positions, lens, positions.clone(), tables, num_rows, 64, 16)
+    advance_decode_inputs(positions, positions.clone(), positions.clone(), positions.clone(), num_rows)
     q = torch.randn(8, 16, 128, **bf16)
     for splits in (1, 4, 16):
         paged_decode(q, k_cache, v_cache, tables, lens, 0.088, splits)

@@ -198,3 +198,27 @@ def test_async_scheduling_pipelines_prompt_chunks(tiny_model_dir):
         assert any(mixed_ahead) == async_scheduling
         assert_no_leaks(llm)
     _assert_same_completions(results[True], results[False])
+
+
+def test_steady_decode_continues_only_the_same_batch_and_sends_only_new_blocks():
+    """The runner's steady decode (CUDA graphs with inputs left on the device) goes on only for the very same
+    sequences in the same order, each decoding; it sends the block table entries the device lacks, once."""
+    from nanovllm.engine.model_runner import SteadyDecode
+    from nanovllm.engine.sequence import Sequence
+
+    seqs = [Sequence(str(i), 0, [1, 2, 3], SamplingParams(), seed=i, arrival=i) for i in range(3)]
+    for i, seq in enumerate(seqs):
+        seq.block_table, seq.num_scheduled_tokens = [10 * i, 10 * i + 1], 1
+    steady = SteadyDecode(seqs, [len(s.block_table) for s in seqs], context_tokens=0)
+    assert steady.continues(list(seqs))
+    assert not steady.continues(seqs[:2]) and not steady.continues(seqs[::-1])
+    other = Sequence("3", 0, [1, 2, 3], SamplingParams(), seed=3, arrival=3)
+    other.num_scheduled_tokens = 1
+    assert not steady.continues([seqs[0], seqs[1], other])
+    seqs[2].num_scheduled_tokens = 4  # a prompt chunk again (after a preemption): not a decode step
+    assert not steady.continues(list(seqs))
+    assert steady.new_blocks() == []
+    seqs[0].block_table.append(7)
+    seqs[2].block_table += [8, 9]
+    assert steady.new_blocks() == [(0, 2, 7), (2, 2, 8), (2, 3, 9)]
+    assert steady.new_blocks() == []

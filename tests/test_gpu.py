@@ -86,7 +86,7 @@ def test_gpu_kv_cache_sized_from_free_memory(small_model):
 @pytest.mark.parametrize("backend", ["triton", "flash_attn"])
 @pytest.mark.parametrize("max_num_seqs", [256, 1])  # 1: every decode step runs the bs=1 kernels
 def test_cuda_graphs_match_eager(small_model, max_num_seqs, backend):
-    """Graph replays give the eager tokens, greedy and seeded; steps with prefills replay graphs too where the
+    """Graph replays give the eager tokens, greedy, seeded and top-p; steps with prefills replay graphs too where the
     backend allows it (flash_attn's varlen call takes host integers: those steps stay eager)."""
     from nanovllm.attention.flash_attn_backend import flash_attn_available
 
@@ -109,13 +109,20 @@ def test_cuda_graphs_match_eager(small_model, max_num_seqs, backend):
         assert replays or not prefill_graphs
         if prefill_graphs:
             del runner.prefill_graphs.run, run  # both hold the model, and through it the KV cache
-        del runner
-        seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=32, ignore_eos=True)
+        # seeded draws, sequences ending at different steps (the batch shrinks mid-decode), then top-p (sampled
+        # outside the graphs)
+        seeded = [SamplingParams(temperature=1.0, seed=3, max_tokens=20 + 3 * i, ignore_eos=True)
+                  for i in range(len(prompts))]
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, seeded, use_tqdm=False)])
+        top_p = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=24, ignore_eos=True)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, top_p, use_tqdm=False)])
+        # decode steps of an unchanged batch replayed with their inputs left on the device (most of them)
+        assert (runner.num_steady_steps > 60) != eager, runner.num_steady_steps
+        del runner
         assert_no_leaks(llm)
         del llm
         torch.cuda.empty_cache()
-    assert outs[0] == outs[2] and outs[1] == outs[3]
+    assert outs[:3] == outs[3:]
 
 
 def test_triton_backend_matches_torch_backend_on_cuda(small_model):

@@ -9,6 +9,7 @@ from helpers import kernel_tol
 
 from nanovllm.attention.torch_backend import context_slots, decode_reference, prefill_reference, store_kv_reference
 from nanovllm.engine.cuda_graph import graph_batch_sizes, max_prefill_tiles, prefill_graph_sizes
+from nanovllm.kernels import decode_inputs
 from nanovllm.kernels.gemv import gemv, gemv_reference
 from nanovllm.kernels.kv_store import store_kv
 from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode, paged_prefill, prefill_tile_tokens, prefill_tiles
@@ -446,3 +447,29 @@ def test_gemv_rows_setting_rejects_bad_values(value):
     with pytest.raises(ValueError, match="NANOVLLM_GEMV_ROWS"):
         _gemv_rows(value)
     assert _gemv_rows("0") == 0 and _gemv_rows("16") == 16 and _gemv_rows("64") == 64
+
+
+@pytest.mark.parametrize("rows,num_rows", [(1, 1), (16, 5), (16, 0), (200, 131)])
+def test_decode_inputs_match_reference(rows, num_rows):
+    """A decode graph's first kernel (slots, context lengths, padding rows reset) and a sampling graph's last (tokens
+    become input ids, positions and steps + 1, padding rows untouched) against their torch references."""
+    g = torch.Generator().manual_seed(rows)
+    block_size, width, scratch = 16, 8, 999
+    state = dict(positions=torch.randint(0, block_size * width, (rows,), generator=g),
+                 seq_lens=torch.randint(0, 9, (rows,), generator=g).int(),
+                 slot_mapping=torch.randint(0, 9, (rows,), generator=g),
+                 block_tables=torch.randint(0, 500, (rows, width), generator=g).int())
+    ref = {k: v.clone() for k, v in state.items()}
+    got = {k: v.to(DEVICE) for k, v in state.items()}
+    decode_inputs.prepare_decode_inputs(**got, num_rows=torch.tensor([num_rows], dtype=torch.int32, device=DEVICE),
+                          scratch_block=scratch, block_size=block_size)
+    decode_inputs.prepare_decode_inputs_reference(**ref, num_rows=num_rows, scratch_block=scratch, block_size=block_size)
+    for key in state:
+        assert torch.equal(got[key].cpu(), ref[key]), key
+    tokens = torch.randint(0, 1000, (rows,), generator=g)
+    ids, steps = torch.randint(0, 1000, (rows,), generator=g), torch.randint(0, 1000, (rows,), generator=g)
+    moved = [t.clone().to(DEVICE) for t in (tokens, ids, ref["positions"], steps)]
+    decode_inputs.advance_decode_inputs(*moved, num_rows=torch.tensor([num_rows], dtype=torch.int32, device=DEVICE))
+    expected = [t.clone() for t in (tokens, ids, ref["positions"], steps)]
+    decode_inputs.advance_decode_inputs_reference(*expected, num_rows=num_rows)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(moved, expected))

@@ -7,7 +7,9 @@ real ones store their K/V in that scratch block and belong to no attention tile.
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.kernels.decode_inputs import advance_decode_inputs, prepare_decode_inputs
 from nanovllm.kernels.paged_attention import prefill_tile_tokens
+from nanovllm.kernels.sampling import gumbel_argmax
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -71,16 +73,27 @@ class _StepBuffers:
 
 
 class CUDAGraphRunner:
-    """Decode steps of up to max_batch sequences, replayed with their LM head: run() returns logits."""
+    """Decode steps of up to max_batch sequences, replayed with their LM head: run() returns logits. Beside each
+    step graph, a sampling graph draws the tokens (temperature-only batches, greedy rows included) and makes
+    them the next step's inputs on the device, so a batch that decodes again unchanged replays both graphs with
+    nothing copied from the host but its new KV blocks (run_steady). The step graph's first kernel derives the
+    slots and context lengths from positions and block tables (kernels.decode_inputs)."""
 
     def __init__(self, model, max_batch: int, max_blocks_per_seq: int, max_model_len: int, block_size: int,
                  scratch_block: int, vocab_size: int, dtype: torch.dtype, device: torch.device):
         self.model = model
         self.max_model_len = max_model_len
+        self.block_size = block_size
         self.batch_sizes = graph_batch_sizes(max_batch)
         self.buffers = _StepBuffers(max_batch, max_batch, max_blocks_per_seq, scratch_block, block_size, device)
+        self.num_rows = torch.zeros(1, dtype=torch.int32, device=device)  # real rows of the batch in the buffers
         self.logits = torch.empty(max_batch, vocab_size, dtype=dtype, device=device)
+        self.temperature = torch.zeros(max_batch, dtype=torch.float32, device=device)
+        self.seeds = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.steps = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def _meta(self, bs: int) -> AttentionMetadata:
         buf = self.buffers
@@ -90,26 +103,58 @@ class CUDAGraphRunner:
             max_seq_len=self.max_model_len, query_start_loc_cpu=None, seq_lens_cpu=None)
 
     def _step(self, bs: int):
-        hidden = self.model(self.buffers.input_ids[:bs], self.buffers.positions[:bs], self._meta(bs))
+        buf = self.buffers
+        prepare_decode_inputs(buf.positions[:bs], buf.seq_lens[:bs], buf.slot_mapping[:bs], buf.block_tables[:bs],
+                              self.num_rows, buf.scratch_block, self.block_size)
+        hidden = self.model(buf.input_ids[:bs], buf.positions[:bs], self._meta(bs))
         self.model.compute_logits(hidden, out=self.logits[:bs])
+
+    def _sample_step(self, bs: int):
+        gumbel_argmax(self.logits[:bs], self.seeds[:bs], self.steps[:bs], self.temperature[:bs],
+                      out=self.tokens[:bs])
+        advance_decode_inputs(self.tokens[:bs], self.buffers.input_ids[:bs], self.buffers.positions[:bs],
+                              self.steps[:bs], self.num_rows)
 
     @torch.inference_mode()
     def capture(self, pool=None):
-        return _capture(self.graphs, self.batch_sizes, self._step, pool)
+        pool = _capture(self.graphs, self.batch_sizes, self._step, pool)
+        return _capture(self.sample_graphs, self.batch_sizes, self._sample_step, pool)
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.batch_sizes[-1]
 
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.batch_sizes if b >= n)
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = input_ids.shape[0]
-        bs = next(b for b in self.batch_sizes if b >= n)
         buf = self.buffers
-        buf.fill_tokens(input_ids, positions, meta.slot_mapping, bs)
-        buf.fill_seqs(meta)
-        buf.seq_lens[n:bs].fill_(1)
-        buf.block_tables[n:bs, 0].fill_(buf.scratch_block)
-        self.graphs[bs].replay()
+        buf.input_ids[:n].copy_(input_ids)
+        buf.positions[:n].copy_(positions)
+        buf.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        self.num_rows.fill_(n)
+        self.graphs[self._bucket(n)].replay()
         return self.logits[:n]
+
+    def sample(self, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+        """After run(): draw the batch's tokens from its logits and make them its next inputs; [n] int64."""
+        n = temperature.shape[0]
+        self.temperature[:n].copy_(temperature)
+        self.seeds[:n].copy_(seeds)
+        self.steps[:n].copy_(steps)
+        self.sample_graphs[self._bucket(n)].replay()
+        return self.tokens[:n]
+
+    def set_blocks(self, rows: torch.Tensor, columns: torch.Tensor, block_ids: torch.Tensor):
+        """Block table entries that the batch's sequences took since the buffers were filled."""
+        self.buffers.block_tables[rows, columns] = block_ids.to(torch.int32)
+
+    def run_steady(self, n: int) -> torch.Tensor:
+        """The next step of the batch that the last run() and sample() left in the buffers: its tokens."""
+        bs = self._bucket(n)
+        self.graphs[bs].replay()
+        self.sample_graphs[bs].replay()
+        return self.tokens[:n]
 
 
 class PrefillCUDAGraphRunner:

@@ -1,4 +1,5 @@
 import itertools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,31 @@ class StepHandle:
 
 
 @dataclass
+class SteadyDecode:
+    """The batch of the last decode step whose graphs left its next inputs on the device: launching the same
+    sequences again needs only the KV blocks they took since (each row's block count there is known_blocks)."""
+
+    seqs: list[Sequence]
+    known_blocks: list[int]
+    context_tokens: int  # the step's context lengths summed (the benchmarks' bytes-read count)
+
+    def continues(self, seqs: list[Sequence]) -> bool:
+        """seqs is this batch again, each with one new token (decodes come first: the last one tells)."""
+        return (len(seqs) == len(self.seqs) and seqs[-1].num_scheduled_tokens == 1
+                and all(map(operator.is_, seqs, self.seqs)))
+
+    def new_blocks(self) -> list[tuple[int, int, int]]:
+        """(row, column, block id) of every block table entry the device does not hold yet; now it will."""
+        entries = []
+        for row, seq in enumerate(self.seqs):
+            table, known = seq.block_table, self.known_blocks[row]
+            if len(table) > known:
+                entries += [(row, col, table[col]) for col in range(known, len(table))]
+                self.known_blocks[row] = len(table)
+        return entries
+
+
+@dataclass
 class RunnerOutput:
     sampled: list[int | None]  # per scheduled seq: the new token, None while its prompt is still filling
     logprobs: list[TokenLogprobs | None]  # per scheduled seq, when it asked for logprobs
@@ -107,6 +133,8 @@ class ModelRunner:
         self.weight_bytes = weight_bytes_per_step(self.model)
         self.kv_bytes_per_token = self.kv_bytes_per_block() // self.block_size
         self.bytes_read = 0  # weights + KV context read by every step so far (benchmarks' HBM roofline)
+        self.steady: SteadyDecode | None = None
+        self.num_steady_steps = 0  # statistics: decode steps launched with no inputs from the host
 
     def _graph_skip_reason(self) -> str | None:
         """Why steps will run eagerly (None: they replay CUDA graphs)."""
@@ -409,6 +437,9 @@ class ModelRunner:
         """Start one step on the device and return without waiting for its tokens. `input_ids_from`
         (tokens, src, dst): input ids dst are rows src of a previous step's sampled tokens, still on the device
         (a pipelined step; the host holds placeholders for them)."""
+        if self.steady is not None and self.steady.continues(seqs):
+            return self._launch_steady()
+        self.steady = None
         input_ids, positions, meta = self.prepare_inputs(seqs)
         if input_ids_from is not None:
             tokens, src, dst = input_ids_from
@@ -429,22 +460,47 @@ class ModelRunner:
                             [i for i, s in enumerate(seqs) if s.is_prefill_done])
         if handle.sample_idx:
             rows = [meta.query_start_loc_cpu[i + 1] - 1 for i in handle.sample_idx]
-            if all_logits is not None:  # a decode graph: one row per sequence
-                logits = all_logits if len(rows) == len(seqs) else all_logits[self._to_device(handle.sample_idx,
-                                                                                               torch.int64)]
-            else:
-                logits = self._compute_logits(hidden, rows)
             tensors = self.prepare_sampling([seqs[i] for i in handle.sample_idx])
-            handle.tokens, handle.raw_logprobs = self.sampler(logits, tensors)
-            handle.max_logprobs = tensors.max_logprobs
-            if self.device.type == "cuda":  # the copy lands while the host prepares the next step
-                handle.tokens_host = torch.empty(handle.tokens.shape, dtype=handle.tokens.dtype, pin_memory=True)
-                handle.tokens_host.copy_(handle.tokens, non_blocking=True)
-                handle.ready = torch.cuda.Event()
-                handle.ready.record()
+            if all_logits is not None and len(rows) == len(seqs) and tensors.temperature_only:
+                # the decode graph's own sampling: it also leaves the next step's inputs on the device
+                handle.tokens = self.graphs.sample(tensors.temperature, tensors.seeds, tensors.steps)
+                self.steady = SteadyDecode(seqs, [len(s.block_table) for s in seqs], sum(meta.seq_lens_cpu))
             else:
-                handle.tokens_host = handle.tokens
+                if all_logits is not None:  # a decode graph: one row per sequence
+                    logits = all_logits if len(rows) == len(seqs) else all_logits[self._to_device(
+                        handle.sample_idx, torch.int64)]
+                else:
+                    logits = self._compute_logits(hidden, rows)
+                handle.tokens, handle.raw_logprobs = self.sampler(logits, tensors)
+            handle.max_logprobs = tensors.max_logprobs
+            self._read_back(handle)
         return handle
+
+    def _launch_steady(self) -> StepHandle:
+        """The steady batch's next decode step: its new KV blocks, then the decode and sampling graphs."""
+        steady = self.steady
+        seqs = steady.seqs
+        entries = steady.new_blocks()
+        if entries:
+            rows, columns, block_ids = self._to_device(np.array(entries, dtype=np.int64).T.copy(), torch.int64)
+            self.graphs.set_blocks(rows, columns, block_ids)
+        steady.context_tokens += len(seqs)
+        self.bytes_read += self.weight_bytes + steady.context_tokens * self.kv_bytes_per_token
+        self.num_steady_steps += 1
+        handle = StepHandle(seqs, [[] for _ in seqs], list(range(len(seqs))))
+        handle.tokens = self.graphs.run_steady(len(seqs))
+        self._read_back(handle)
+        return handle
+
+    def _read_back(self, handle: StepHandle):
+        """Start copying the handle's tokens to the host."""
+        if self.device.type == "cuda":  # the copy lands while the host prepares the next step
+            handle.tokens_host = torch.empty(handle.tokens.shape, dtype=handle.tokens.dtype, pin_memory=True)
+            handle.tokens_host.copy_(handle.tokens, non_blocking=True)
+            handle.ready = torch.cuda.Event()
+            handle.ready.record()
+        else:
+            handle.tokens_host = handle.tokens
 
     def _compute_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits of hidden's `rows`; on CUDA the LM head runs on a warmed-up bucket of rows (repeats of the

@@ -115,17 +115,19 @@ def sample_num_splits(rows: int, vocab: int, num_sms: int) -> int:
 
 
 def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-                  temperature: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
-    """logits: [B, V] (filtered entries -inf) -> sampled token ids [B] int64. With `temperature` [B], the
-    logits are multiplied by its reciprocal first, and rows at 0 are greedy. num_splits: vocabulary splits per
-    row (default: sample_num_splits); their best scores merge in a second kernel."""
+                  temperature: torch.Tensor | None = None, num_splits: int | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [B, V] (filtered entries -inf) -> sampled token ids [B] int64 (into `out` if given). With
+    `temperature` [B], the logits are multiplied by its reciprocal first, and rows at 0 are greedy. num_splits:
+    vocabulary splits per row (default: sample_num_splits); their best scores merge in a second kernel."""
     assert logits.stride(1) == 1
     rows, vocab = logits.shape
     splits = num_splits or sample_num_splits(rows, vocab, num_sms(logits.device))
     assert 1 <= splits <= MAX_SPLITS
     block = _block()
     split_len = triton.cdiv(triton.cdiv(vocab, splits), block) * block
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     # the workspaces exist even unused (one split), so that one compiled kernel serves every split count
     part_score = torch.empty(rows * splits, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows * splits, dtype=torch.int64, device=logits.device)

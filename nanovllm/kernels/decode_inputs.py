@@ -1,0 +1,75 @@
+"""A decode batch's inputs kept on the device from one step to the next (engine.cuda_graph's steady decode).
+
+The state of a row is its next input token and that token's position; its block table lives beside them.
+`prepare_decode_inputs`, the first kernel of a decode graph, derives each row's KV slot and context length from
+them; `advance_decode_inputs`, the last kernel of a sampling graph, makes the sampled tokens the next input ids
+and moves positions and sampling steps on by one. Rows at or past num_rows (a device scalar) are the bucket's
+padding: position 0 in the scratch block. References: the *_reference functions below."""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.pdl import pdl_launch, wait_then_release
+
+ROWS_PER_PROGRAM = 128
+
+
+@triton.jit(do_not_specialize=["rows", "scratch_block"])
+def _prepare_kernel(positions_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, table_stride, num_rows_ptr, rows,
+                    scratch_block, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
+    row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_bucket = row < rows
+    real = row < tl.load(num_rows_ptr)
+    pos = tl.load(positions_ptr + row, mask=real, other=0)
+    table = block_tables_ptr + row.to(tl.int64) * table_stride
+    tl.store(table, scratch_block, mask=in_bucket & ~real)
+    block = tl.load(table + pos // BLOCK_SIZE, mask=real, other=scratch_block).to(tl.int64)
+    tl.store(positions_ptr + row, pos, mask=in_bucket)
+    tl.store(seq_lens_ptr + row, (pos + 1).to(tl.int32), mask=in_bucket)
+    tl.store(slot_ptr + row, block * BLOCK_SIZE + pos % BLOCK_SIZE, mask=in_bucket)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _advance_kernel(tokens_ptr, input_ids_ptr, positions_ptr, steps_ptr, num_rows_ptr, rows, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
+    wait_then_release(PDL)
+    row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    real = (row < rows) & (row < tl.load(num_rows_ptr))
+    tl.store(input_ids_ptr + row, tl.load(tokens_ptr + row, mask=real), mask=real)
+    tl.store(positions_ptr + row, tl.load(positions_ptr + row, mask=real) + 1, mask=real)
+    tl.store(steps_ptr + row, tl.load(steps_ptr + row, mask=real) + 1, mask=real)
+
+
+def prepare_decode_inputs(positions: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
+                          block_tables: torch.Tensor, num_rows: torch.Tensor, scratch_block: int, block_size: int):
+    """In place, for the rows of a bucket ([R] int64 positions and slots, [R] int32 seq_lens, [R, W] int32 block
+    tables, num_rows a [1] int32): slots and context lengths from positions; padding rows reset."""
+    rows = positions.shape[0]
+    assert block_tables.stride(1) == 1
+    _prepare_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
+        positions, seq_lens, slot_mapping, block_tables, block_tables.stride(0), num_rows, rows, scratch_block,
+        BLOCK_SIZE=block_size, BLOCK=ROWS_PER_PROGRAM, **pdl_launch(positions.device))
+
+
+def advance_decode_inputs(tokens: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                          steps: torch.Tensor, num_rows: torch.Tensor):
+    """In place, for the first num_rows rows: the sampled tokens become the input ids, positions and steps + 1."""
+    rows = tokens.shape[0]
+    _advance_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](tokens, input_ids, positions, steps, num_rows, rows,
+                                                            BLOCK=ROWS_PER_PROGRAM, **pdl_launch(tokens.device))
+
+
+def prepare_decode_inputs_reference(positions, seq_lens, slot_mapping, block_tables, num_rows: int,
+                                    scratch_block: int, block_size: int):
+    positions[num_rows:] = 0
+    block_tables[num_rows:, 0] = scratch_block
+    blocks = block_tables.gather(1, (positions // block_size)[:, None])[:, 0].long()
+    slot_mapping.copy_(blocks * block_size + positions % block_size)
+    seq_lens.copy_(positions + 1)
+
+
+def advance_decode_inputs_reference(tokens, input_ids, positions, steps, num_rows: int):
+    input_ids[:num_rows] = tokens[:num_rows]
+    positions[:num_rows] += 1
+    steps[:num_rows] += 1
