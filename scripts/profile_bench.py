@@ -158,4 +158,6 @@ for key in sorted(groups):
 print("garbage collections in the timed run: " + ", ".join(
     f"gen {g}: {n} ({t * 1e3:.1f} ms)" for g, (n, t) in sorted(gc_runs.items())))
 print(f"prefill steps, ms: {' '.join(prefill_ms)}")
+decode_steps = sum(g[0] for key, g in groups.items() if key.startswith("decode"))
+print(f"decode steps replayed with their inputs left on the device (steady): {runner.num_steady_steps} of {decode_steps}")
 print(f"Triton compiles in the timed run: {len(compiles)} " + " ".join(f"{n} ({t:.2f} s)" for n, t in compiles))

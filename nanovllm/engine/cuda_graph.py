@@ -1,9 +1,11 @@
 """Steps captured as CUDA graphs, sharing one memory pool: decode steps per batch-size bucket (their logits
-included), and steps with prefills per token-count bucket (up to the hidden states; the rows to sample vary).
+included, and a sampling graph each), and steps with prefills per token-count bucket (up to the hidden states;
+the rows to sample vary).
 
-A replay copies the step's inputs into static buffers. Decode rows past the real batch are padding that attend
-to one token in a scratch KV block, so they stay finite and touch no sequence's cache; prefill tokens past the
-real ones store their K/V in that scratch block and belong to no attention tile."""
+A replay reads the step's inputs from static buffers: copied there from the host, or, for a decode batch that
+runs again unchanged, left there by its previous step's sampling graph. Decode rows past the real batch are
+padding that attend to one token in a scratch KV block, so they stay finite and touch no sequence's cache;
+prefill tokens past the real ones store their K/V in that scratch block and belong to no attention tile."""
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata
