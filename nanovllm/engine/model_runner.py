@@ -459,18 +459,18 @@ class ModelRunner:
         handle = StepHandle(seqs, self._prompt_logprobs(seqs, hidden, meta.query_start_loc_cpu),
                             [i for i, s in enumerate(seqs) if s.is_prefill_done])
         if handle.sample_idx:
-            rows = [meta.query_start_loc_cpu[i + 1] - 1 for i in handle.sample_idx]
             tensors = self.prepare_sampling([seqs[i] for i in handle.sample_idx])
-            if all_logits is not None and len(rows) == len(seqs) and tensors.temperature_only:
+            every_row = len(handle.sample_idx) == len(seqs)
+            if all_logits is not None and every_row and tensors.temperature_only:
                 # the decode graph's own sampling: it also leaves the next step's inputs on the device
                 handle.tokens = self.graphs.sample(tensors.temperature, tensors.seeds, tensors.steps)
                 self.steady = SteadyDecode(seqs, [len(s.block_table) for s in seqs], sum(meta.seq_lens_cpu))
             else:
                 if all_logits is not None:  # a decode graph: one row per sequence
-                    logits = all_logits if len(rows) == len(seqs) else all_logits[self._to_device(
-                        handle.sample_idx, torch.int64)]
+                    logits = all_logits if every_row else all_logits[self._to_device(handle.sample_idx, torch.int64)]
                 else:
-                    logits = self._compute_logits(hidden, rows)
+                    logits = self._compute_logits(hidden, [meta.query_start_loc_cpu[i + 1] - 1
+                                                           for i in handle.sample_idx])
                 handle.tokens, handle.raw_logprobs = self.sampler(logits, tensors)
             handle.max_logprobs = tensors.max_logprobs
             self._read_back(handle)
