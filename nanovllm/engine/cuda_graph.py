@@ -151,6 +151,16 @@ class CUDAGraphRunner:
         """Block table entries that the batch's sequences took since the buffers were filled."""
         self.buffers.block_tables[rows, columns] = block_ids.to(torch.int32)
 
+    def advance(self, tokens: torch.Tensor, steps: torch.Tensor):
+        """After run() and a sampler outside the graphs: tokens become the next inputs, steps + 1 (in place)."""
+        advance_decode_inputs(tokens, self.buffers.input_ids[:tokens.shape[0]],
+                              self.buffers.positions[:tokens.shape[0]], steps, self.num_rows)
+
+    def run_steady_logits(self, n: int) -> torch.Tensor:
+        """The next step of the batch whose inputs advance() left in the buffers: its logits."""
+        self.graphs[self._bucket(n)].replay()
+        return self.logits[:n]
+
     def run_steady(self, n: int) -> torch.Tensor:
         """The next step of the batch that the last run() and sample() left in the buffers: its tokens."""
         bs = self._bucket(n)

@@ -66,6 +66,7 @@ class SteadyDecode:
     seqs: list[Sequence]
     known_blocks: list[int]
     context_tokens: int  # the step's context lengths summed (the benchmarks' bytes-read count)
+    sampling: SamplingTensors | None = None  # top-k / top-p / min-p: the eager sampler's knobs (None: the graph's)
 
     def continues(self, seqs: list[Sequence]) -> bool:
         """seqs is this batch again, each with one new token (decodes come first: the last one tells)."""
@@ -461,10 +462,10 @@ class ModelRunner:
         if handle.sample_idx:
             tensors = self.prepare_sampling([seqs[i] for i in handle.sample_idx])
             every_row = len(handle.sample_idx) == len(seqs)
-            if all_logits is not None and every_row and tensors.temperature_only:
+            steady = all_logits is not None and every_row and tensors.steady
+            if steady and tensors.temperature_only:
                 # the decode graph's own sampling: it also leaves the next step's inputs on the device
                 handle.tokens = self.graphs.sample(tensors.temperature, tensors.seeds, tensors.steps)
-                self.steady = SteadyDecode(seqs, [len(s.block_table) for s in seqs], sum(meta.seq_lens_cpu))
             else:
                 if all_logits is not None:  # a decode graph: one row per sequence
                     logits = all_logits if every_row else all_logits[self._to_device(handle.sample_idx, torch.int64)]
@@ -472,6 +473,11 @@ class ModelRunner:
                     logits = self._compute_logits(hidden, [meta.query_start_loc_cpu[i + 1] - 1
                                                            for i in handle.sample_idx])
                 handle.tokens, handle.raw_logprobs = self.sampler(logits, tensors)
+                if steady:
+                    self.graphs.advance(handle.tokens, tensors.steps)
+            if steady:
+                self.steady = SteadyDecode(seqs, [len(s.block_table) for s in seqs], sum(meta.seq_lens_cpu),
+                                           None if tensors.temperature_only else tensors)
             handle.max_logprobs = tensors.max_logprobs
             self._read_back(handle)
         return handle
@@ -488,7 +494,11 @@ class ModelRunner:
         self.bytes_read += self.weight_bytes + steady.context_tokens * self.kv_bytes_per_token
         self.num_steady_steps += 1
         handle = StepHandle(seqs, [[] for _ in seqs], list(range(len(seqs))))
-        handle.tokens = self.graphs.run_steady(len(seqs))
+        if steady.sampling is None:
+            handle.tokens = self.graphs.run_steady(len(seqs))
+        else:
+            handle.tokens, _ = self.sampler(self.graphs.run_steady_logits(len(seqs)), steady.sampling)
+            self.graphs.advance(handle.tokens, steady.sampling.steps)
         self._read_back(handle)
         return handle
 

@@ -85,6 +85,12 @@ class SamplingTensors:
     max_logprobs: int  # largest top-k logprobs asked for; -1 = none
 
     @property
+    def steady(self) -> bool:
+        """Knobs that stay the same from step to step but the steps counter: no penalties (they count the output
+        tokens), no min_tokens bans, no logprobs."""
+        return self.output_counts is None and self.banned is None and self.max_logprobs < 0
+
+    @property
     def temperature_only(self) -> bool:
         """No knob but temperature: sampling is one fused pass over the logits."""
         return (self.output_counts is None and self.banned is None and not self.any_top_k_p and not self.any_min_p
