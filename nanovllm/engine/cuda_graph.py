@@ -77,9 +77,10 @@ class _StepBuffers:
 class CUDAGraphRunner:
     """Decode steps of up to max_batch sequences, replayed with their LM head: run() returns logits. Beside each
     step graph, a sampling graph draws the tokens (temperature-only batches, greedy rows included) and makes
-    them the next step's inputs on the device, so a batch that decodes again unchanged replays both graphs with
-    nothing copied from the host but its new KV blocks (run_steady). The step graph's first kernel derives the
-    slots and context lengths from positions and block tables (kernels.decode_inputs)."""
+    them the next step's inputs on the device (advance() does that after a sampler outside the graphs), so a batch
+    that decodes again unchanged replays with nothing copied from the host but its new KV blocks (replay,
+    run_steady). The step graph's first kernel derives the slots and context lengths from positions and block
+    tables (kernels.decode_inputs)."""
 
     def __init__(self, model, max_batch: int, max_blocks_per_seq: int, max_model_len: int, block_size: int,
                  scratch_block: int, vocab_size: int, dtype: torch.dtype, device: torch.device):
@@ -135,6 +136,11 @@ class CUDAGraphRunner:
         buf.positions[:n].copy_(positions)
         buf.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.num_rows.fill_(n)
+        return self.replay(n)
+
+    def replay(self, n: int) -> torch.Tensor:
+        """The step graph on the buffers as they are (filled by run(), or moved on by a sampling graph or advance()):
+        the logits of the batch's n rows."""
         self.graphs[self._bucket(n)].replay()
         return self.logits[:n]
 
@@ -156,16 +162,10 @@ class CUDAGraphRunner:
         advance_decode_inputs(tokens, self.buffers.input_ids[:tokens.shape[0]],
                               self.buffers.positions[:tokens.shape[0]], steps, self.num_rows)
 
-    def run_steady_logits(self, n: int) -> torch.Tensor:
-        """The next step of the batch whose inputs advance() left in the buffers: its logits."""
-        self.graphs[self._bucket(n)].replay()
-        return self.logits[:n]
-
     def run_steady(self, n: int) -> torch.Tensor:
-        """The next step of the batch that the last run() and sample() left in the buffers: its tokens."""
-        bs = self._bucket(n)
-        self.graphs[bs].replay()
-        self.sample_graphs[bs].replay()
+        """The next step of the batch that the last sample() left in the buffers: its tokens."""
+        self.replay(n)
+        self.sample_graphs[self._bucket(n)].replay()
         return self.tokens[:n]
 
 

@@ -483,7 +483,8 @@ class ModelRunner:
         return handle
 
     def _launch_steady(self) -> StepHandle:
-        """The steady batch's next decode step: its new KV blocks, then the decode and sampling graphs."""
+        """The steady batch's next decode step: its new KV blocks, then the decode graph and its sampling (the
+        sampling graph, or the eager sampler and the advance kernel)."""
         steady = self.steady
         seqs = steady.seqs
         entries = steady.new_blocks()
@@ -497,7 +498,7 @@ class ModelRunner:
         if steady.sampling is None:
             handle.tokens = self.graphs.run_steady(len(seqs))
         else:
-            handle.tokens, _ = self.sampler(self.graphs.run_steady_logits(len(seqs)), steady.sampling)
+            handle.tokens, _ = self.sampler(self.graphs.replay(len(seqs)), steady.sampling)
             self.graphs.advance(handle.tokens, steady.sampling.steps)
         self._read_back(handle)
         return handle
