@@ -222,3 +222,19 @@ def test_steady_decode_continues_only_the_same_batch_and_sends_only_new_blocks()
     seqs[2].block_table += [8, 9]
     assert steady.new_blocks() == [(0, 2, 7), (2, 2, 8), (2, 3, 9)]
     assert steady.new_blocks() == []
+
+
+def test_a_batch_becomes_steady_once_its_min_tokens_are_met(tiny_llm):
+    """Steady decode's eligibility is read from each full step's sampling tensors: a batch held back by min_tokens
+    (stop ids banned) is not steady, and the first full step after every min_tokens is met is."""
+    from nanovllm.engine.sequence import Sequence
+
+    runner = tiny_llm.llm_engine.model_runner
+    seq = Sequence("0", 0, [1, 2, 3], SamplingParams(min_tokens=2, temperature=0.7), seed=0, arrival=0)
+    assert not runner.prepare_sampling([seq]).steady
+    seq.append_token(5)
+    assert not runner.prepare_sampling([seq]).steady
+    seq.append_token(6)
+    assert runner.prepare_sampling([seq]).steady
+    seq.params = SamplingParams(logprobs=1)
+    assert not runner.prepare_sampling([seq]).steady
