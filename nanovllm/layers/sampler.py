@@ -93,8 +93,7 @@ class SamplingTensors:
     @property
     def temperature_only(self) -> bool:
         """No knob but temperature: sampling is one fused pass over the logits."""
-        return (self.output_counts is None and self.banned is None and not self.any_top_k_p and not self.any_min_p
-                and self.max_logprobs < 0)
+        return self.steady and not self.any_top_k_p and not self.any_min_p
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
