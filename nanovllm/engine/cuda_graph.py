@@ -115,8 +115,7 @@ class CUDAGraphRunner:
     def _sample_step(self, bs: int):
         gumbel_argmax(self.logits[:bs], self.seeds[:bs], self.steps[:bs], self.temperature[:bs],
                       out=self.tokens[:bs])
-        advance_decode_inputs(self.tokens[:bs], self.buffers.input_ids[:bs], self.buffers.positions[:bs],
-                              self.steps[:bs], self.num_rows)
+        self.advance(self.tokens[:bs], self.steps[:bs])
 
     @torch.inference_mode()
     def capture(self, pool=None):
