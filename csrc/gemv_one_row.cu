@@ -31,7 +31,6 @@ constexpr int kThreads = 128;  // bs=1 decode on the H100, one CTA a SM: 963-965
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunks = 4;  // W's slice arrives in this many pieces, so multiplying can start on the first
 constexpr int kMaxK = 4096;
-constexpr int kMaxShare = kMaxK / 8 / kThreads;
 
 enum Mode { MODE_PLAIN = 0, MODE_ADD_NORM = 1, MODE_SILU_MUL = 2, MODE_ADD_NORM_SILU_OUT = 3 };
 
@@ -57,14 +56,16 @@ __device__ void start_weight_copies(T* ws, const T* slice, const T* second, int 
   }
 }
 
-// Thread t's share of the input row: 16-byte vectors t, t + kThreads, ... (kMaxShare at most: K <= kMaxK).
+// Thread t's share of the input row: 16-byte vectors t, t + kThreads, ... (SHARE of them: K <= SHARE * 8 * kThreads).
+// SHARE is a template parameter, the fewest for K (kMaxK / 8 / kThreads at most), rather than the most for every K:
+// the unrolled code a layer's kernels run must stay in the SMs' instruction caches (see launch()).
 // Rows that the kernels before wrote are read through L2 only (ld.global.cg): under PDL this kernel starts while
 // they run, so this SM's L1 may still hold an older row at a reused address (seen on the H100: a graph of
 // one-row GEMVs replayed with stale inputs when the reads went through L1's non-coherent path).
-template <typename T, bool WRITTEN_BEFORE>
-__device__ __forceinline__ void load_share(Pack<T> (&out)[kMaxShare], const T* row, int K) {
+template <typename T, bool WRITTEN_BEFORE, int SHARE>
+__device__ __forceinline__ void load_share(Pack<T> (&out)[SHARE], const T* row, int K) {
 #pragma unroll
-  for (int i = 0; i < kMaxShare; ++i) {
+  for (int i = 0; i < SHARE; ++i) {
     const int v = threadIdx.x + kThreads * i;
     const uint4* src = reinterpret_cast<const uint4*>(row) + v;
     out[i].bits = v >= K / 8 ? make_uint4(0, 0, 0, 0) : WRITTEN_BEFORE ? __ldcg(src) : *src;
@@ -74,17 +75,17 @@ __device__ __forceinline__ void load_share(Pack<T> (&out)[kMaxShare], const T* r
 // The input row after the fused operation, into xs (shared memory), each thread on its share: once per CTA, not
 // once per warp (every warp redoing the SiLU of a 3072-long row cost microseconds), and through shared memory, so
 // that a thread holds no copy of the row in registers (fewer registers: more CTAs of the next kernels fit beside).
-template <typename T, int MODE>
-__device__ void stage_input(T* xs, float* warp_squares, const Pack<T> (&scale)[kMaxShare], const T* x,
+template <typename T, int MODE, int SHARE>
+__device__ void stage_input(T* xs, float* warp_squares, const Pack<T> (&scale)[SHARE], const T* x,
                             const T* residual, T* res_out, int K, float eps) {
-  Pack<T> a[kMaxShare], b[kMaxShare];
-  load_share<T, true>(a, x, K);
-  if constexpr (MODE == MODE_SILU_MUL) load_share<T, true>(b, x + K, K);
+  Pack<T> a[SHARE], b[SHARE];
+  load_share<T, true, SHARE>(a, x, K);
+  if constexpr (MODE == MODE_SILU_MUL) load_share<T, true, SHARE>(b, x + K, K);
   if constexpr (MODE == MODE_ADD_NORM)
-    if (residual != nullptr) load_share<T, true>(b, residual, K);
+    if (residual != nullptr) load_share<T, true, SHARE>(b, residual, K);
   float squares = 0.f;
 #pragma unroll
-  for (int i = 0; i < kMaxShare; ++i) {
+  for (int i = 0; i < SHARE; ++i) {
     const int v = threadIdx.x + kThreads * i;
     if (v >= K / 8) break;
 #pragma unroll
@@ -102,7 +103,7 @@ __device__ void stage_input(T* xs, float* warp_squares, const Pack<T> (&scale)[k
   }
   if constexpr (MODE == MODE_ADD_NORM) {
     const float inv = inv_rms<kWarps>(squares, warp_squares, [] { __syncthreads(); }, K, eps);
-    store_normed<T, kMaxShare, kThreads>(xs, a, scale, K, inv);
+    store_normed<T, SHARE, kThreads>(xs, a, scale, K, inv);
   }
   __syncthreads();
 }
@@ -121,7 +122,7 @@ __device__ __forceinline__ float dot_row(const T* wrow, const T* xs, int K) {
   return warp_sum(acc);
 }
 
-template <typename T, int MODE, bool SILU_OUT>
+template <typename T, int MODE, bool SILU_OUT, int SHARE>
 __global__ void __launch_bounds__(kThreads) gemv_one_row_kernel(
     const T* x, const T* __restrict__ w, const T* __restrict__ bias, T* y, const T* residual,
     const T* __restrict__ norm_w, T* res_out, int N, int K, int rows_per_cta, float eps) {
@@ -137,11 +138,11 @@ __global__ void __launch_bounds__(kThreads) gemv_one_row_kernel(
   if (threadIdx.x == 0)
     start_weight_copies(ws, w + static_cast<size_t>(row0) * K,
                         SILU_OUT ? w + static_cast<size_t>(outputs + row0) * K : nullptr, rows_per_cta, rows, K, arrived);
-  Pack<T> scale[kMaxShare];  // the norm's weight: read before the wait, like W
-  if constexpr (MODE == MODE_ADD_NORM) load_share<T, false>(scale, norm_w, K);
+  Pack<T> scale[SHARE];  // the norm's weight: read before the wait, like W
+  if constexpr (MODE == MODE_ADD_NORM) load_share<T, false, SHARE>(scale, norm_w, K);
   __syncthreads();  // the barriers are initialized before any thread waits on them
   release_then_wait();  // the input row is the kernel before's output
-  stage_input<T, MODE>(xs, warp_squares, scale, x, residual, blockIdx.x == 0 ? res_out : nullptr, K, eps);
+  stage_input<T, MODE, SHARE>(xs, warp_squares, scale, x, residual, blockIdx.x == 0 ? res_out : nullptr, K, eps);
   int ready = 0;  // chunks this warp has waited for
   for (int r = threadIdx.x / 32; r < rows; r += kWarps) {
     while (rows * ready / kChunks <= r) barrier_wait(&arrived[ready++], 0);
@@ -157,12 +158,12 @@ __global__ void __launch_bounds__(kThreads) gemv_one_row_kernel(
   }
 }
 
-template <typename T, int MODE, bool SILU_OUT = false>
-cudaError_t launch(const void* x, const void* w, const void* bias, void* y, const void* residual,
-                   const void* norm_w, void* res_out, int N, int K, int rows_per_cta, float eps, int pdl,
-                   cudaStream_t stream) {
+template <typename T, int MODE, bool SILU_OUT, int SHARE>
+cudaError_t launch_share(const void* x, const void* w, const void* bias, void* y, const void* residual,
+                         const void* norm_w, void* res_out, int N, int K, int rows_per_cta, float eps, int pdl,
+                         cudaStream_t stream) {
   constexpr int kParts = SILU_OUT ? 2 : 1;
-  const auto kernel = gemv_one_row_kernel<T, MODE, SILU_OUT>;
+  const auto kernel = gemv_one_row_kernel<T, MODE, SILU_OUT, SHARE>;
   const size_t smem = static_cast<size_t>(kParts * rows_per_cta + 1) * K * sizeof(T);
   static size_t smem_allowed = 0;  // raised once per instance, to the largest asked so far
   if (smem > smem_allowed) {
@@ -179,6 +180,25 @@ cudaError_t launch(const void* x, const void* w, const void* bias, void* y, cons
   return cudaLaunchKernelEx(&config, kernel, static_cast<const T*>(x), static_cast<const T*>(w),
                             static_cast<const T*>(bias), static_cast<T*>(y), static_cast<const T*>(residual),
                             static_cast<const T*>(norm_w), static_cast<T*>(res_out), N, K, rows_per_cta, eps);
+}
+
+// An instance per share of the input row a thread holds (K <= 1024, 2048, 3072, 4096): a bs=1 layer runs four of
+// these kernels and a decode attention kernel in turn, and code unrolled for the largest K only added to what a
+// layer cycles through the SM's instruction cache (scripts/icache_bench.cu: five alternating 32 KB kernels cost
+// ~4.6 us a launch more than one). Qwen3-0.6B's layer ran 58 KB of GEMV code instead of 73 KB: bs=1 decode 1,275
+// tok/s instead of 1,243 on the H100.
+template <typename T, int MODE, bool SILU_OUT = false>
+cudaError_t launch(const void* x, const void* w, const void* bias, void* y, const void* residual,
+                   const void* norm_w, void* res_out, int N, int K, int rows_per_cta, float eps, int pdl,
+                   cudaStream_t stream) {
+  if (K > kMaxK || K % 8 != 0) return cudaErrorInvalidValue;
+  switch ((K / 8 + kThreads - 1) / kThreads) {
+    case 1: return launch_share<T, MODE, SILU_OUT, 1>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
+    case 2: return launch_share<T, MODE, SILU_OUT, 2>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
+    case 3: return launch_share<T, MODE, SILU_OUT, 3>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
+    case 4: return launch_share<T, MODE, SILU_OUT, 4>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
 template <typename T>

@@ -41,7 +41,7 @@ GEMV, ATTENTION = 1, 2
 GEMV_STAMPS = [
     ("  const int rows = min(rows_per_cta, outputs - row0);\n", "  REC_INIT(1, w) STAMP(0)\n", True),
     ("  release_then_wait();  // the input row is the kernel before's output\n", "  STAMP(1)\n", True),
-    ("  stage_input<T, MODE>(xs, warp_squares, scale, x, residual, blockIdx.x == 0 ? res_out : nullptr, K, eps);\n",
+    ("  stage_input<T, MODE, SHARE>(xs, warp_squares, scale, x, residual, blockIdx.x == 0 ? res_out : nullptr, K, eps);\n",
      "  STAMP(2)\n", True),
     ("    while (rows * ready / kChunks <= r) barrier_wait(&arrived[ready++], 0);\n", "    STAMP(3)\n", True),
     ("    if (threadIdx.x % 32 == 0) y[row0 + r] = from_float<T>(acc);\n  }\n", "  STAMP(4)\n", True),

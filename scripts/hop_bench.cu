@@ -1,0 +1,138 @@
+// Per-hop latency of a chain of dependent one-row kernels (bs=1 decode's shape: 264 CTAs of 128 threads, each
+// reading the whole 1024-long row the kernel before wrote and writing its 4 of the next row), in one CUDA graph,
+// by how one kernel hands off to the next (docs/benchmarks.md, eighteenth session):
+//   mode 0: programmatic dependent launch, griddepcontrol.wait (the engine's hand-off)
+//   mode 1: PDL launch, but a counter in global memory instead of the wait (each CTA: barrier, release add;
+//           the next kernel's CTAs: acquire spin until every CTA of the kernel before has added)
+//   mode 2: plain launches (no PDL)
+//   mode 3: mode 1 with __nanosleep in the spin
+//   mode 4: one persistent kernel, a counter a stage (a megakernel's hand-off)
+// stage 0: no input read (the hop alone); 1: the input row read through L2 + a block-wide sum (an RMSNorm's
+// reduction) before the outputs.
+//   nvcc -O3 -gencode arch=compute_90,code=sm_90 -o /tmp/hop_bench scripts/hop_bench.cu && /tmp/hop_bench
+#include <cstdio>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
+
+constexpr int kThreads = 128, kK = 1024, kOut = 4;
+
+__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
+  unsigned v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
+__device__ __forceinline__ void red_release(unsigned* p) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory"); }
+
+template <int MODE, int STAGE>
+__global__ void __launch_bounds__(kThreads) hop(const __nv_bfloat16* x, __nv_bfloat16* y, unsigned* counters, int k) {
+  __shared__ float sums[kThreads / 32];
+  if (MODE != 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  if (MODE == 0) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if ((MODE == 1 || MODE == 3) && k > 0) {
+    if (threadIdx.x == 0) while (ld_acquire(counters + k - 1) < gridDim.x) { if (MODE == 3) __nanosleep(64); }
+    __syncthreads();
+  }
+  float s = 1.f;
+  if (STAGE) {
+    uint4 v = __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x);
+    const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
+    float a = 0.f;
+    for (int i = 0; i < 8; ++i) a += __bfloat162float(e[i]) * __bfloat162float(e[i]);
+    for (int o = 16; o; o /= 2) a += __shfl_xor_sync(~0u, a, o);
+    if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = a;
+    __syncthreads();
+    s = sums[0] + sums[1] + sums[2] + sums[3];
+  }
+  if (threadIdx.x < kOut) y[(blockIdx.x * kOut + threadIdx.x) % kK] = __float2bfloat16(rsqrtf(s / kK + 1e-6f) * 0.5f);
+  if (MODE == 1 || MODE == 3) {
+    __syncthreads();
+    if (threadIdx.x == 0) red_release(counters + k);
+  }
+}
+
+// every stage in one persistent kernel: a counter a stage, as a megakernel would hand off
+template <int STAGE>
+__global__ void __launch_bounds__(kThreads) stages(__nv_bfloat16* rows, unsigned* counters, int chain) {
+  __shared__ float sums[kThreads / 32];
+  for (int k = 0; k < chain; ++k) {
+    const __nv_bfloat16* x = rows + (k % 2) * kK;
+    __nv_bfloat16* y = rows + ((k + 1) % 2) * kK;
+    if (k > 0) {
+      if (threadIdx.x == 0) while (ld_acquire(counters + k - 1) < gridDim.x) {}
+      __syncthreads();
+    }
+    float s = 1.f;
+    if (STAGE) {
+      uint4 v = __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x);
+      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
+      float a = 0.f;
+      for (int i = 0; i < 8; ++i) a += __bfloat162float(e[i]) * __bfloat162float(e[i]);
+      for (int o = 16; o; o /= 2) a += __shfl_xor_sync(~0u, a, o);
+      if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = a;
+      __syncthreads();
+      s = sums[0] + sums[1] + sums[2] + sums[3];
+    }
+    if (threadIdx.x < kOut) __stcg(y + (blockIdx.x * kOut + threadIdx.x) % kK, __float2bfloat16(rsqrtf(s / kK + 1e-6f) * 0.5f));
+    __syncthreads();
+    if (threadIdx.x == 0) red_release(counters + k);
+  }
+}
+
+template <int MODE, int STAGE>
+int run(int ctas, int chain, __nv_bfloat16* rows, unsigned* counters, cudaStream_t stream) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  cudaMemsetAsync(counters, 0, chain * sizeof(unsigned), stream);
+  if (MODE == 4) stages<STAGE><<<ctas, kThreads, 0, stream>>>(rows, counters, chain);
+  for (int k = 0; MODE != 4 && k < chain; ++k) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(ctas);
+    config.blockDim = dim3(kThreads);
+    config.stream = stream;
+    cudaLaunchAttribute attribute;
+    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute.val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = &attribute;
+    config.numAttrs = MODE == 2 ? 0 : 1;
+    CHECK(cudaLaunchKernelEx(&config, hop<MODE, STAGE>, rows + (k % 2) * kK, rows + ((k + 1) % 2) * kK, counters, k));
+  }
+  CHECK(cudaStreamEndCapture(stream, &graph));
+  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 20; ++i) CHECK(cudaGraphLaunch(exec, stream));
+  CHECK(cudaStreamSynchronize(stream));
+  cudaEvent_t a, b;
+  cudaEventCreate(&a); cudaEventCreate(&b);
+  const int reps = 200;
+  cudaEventRecord(a, stream);
+  for (int i = 0; i < reps; ++i) CHECK(cudaGraphLaunch(exec, stream));
+  cudaEventRecord(b, stream);
+  CHECK(cudaEventSynchronize(b));
+  float ms; cudaEventElapsedTime(&ms, a, b);
+  printf("| %s | %s | %d | %d | %.3f |\n", MODE == 0 ? "PDL wait" : MODE == 1 ? "PDL + counter" : MODE == 3 ? "PDL + counter, nanosleep" : MODE == 4 ? "one persistent kernel, counters" : "plain",
+         STAGE ? "row read + block sum" : "none", ctas, chain, ms * 1000.f / reps / chain);
+  cudaGraphExecDestroy(exec); cudaGraphDestroy(graph);
+  return 0;
+}
+
+int main() {
+  __nv_bfloat16* rows; unsigned* counters;
+  CHECK(cudaMalloc(&rows, 2 * kK * sizeof(__nv_bfloat16)));
+  CHECK(cudaMemset(rows, 0, 2 * kK * sizeof(__nv_bfloat16)));
+  CHECK(cudaMalloc(&counters, 4096 * sizeof(unsigned)));
+  cudaStream_t stream; cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  printf("| hand-off | after it | CTAs | kernels | us a kernel |\n|---|---|---|---|---|\n");
+  for (int ctas : {132, 264}) {
+    run<2, 0>(ctas, 140, rows, counters, stream);
+    run<0, 0>(ctas, 140, rows, counters, stream);
+    run<1, 0>(ctas, 140, rows, counters, stream);
+    run<2, 1>(ctas, 140, rows, counters, stream);
+    run<0, 1>(ctas, 140, rows, counters, stream);
+    run<1, 1>(ctas, 140, rows, counters, stream);
+    run<3, 0>(ctas, 140, rows, counters, stream);
+    run<3, 1>(ctas, 140, rows, counters, stream);
+    run<4, 0>(ctas, 140, rows, counters, stream);
+    run<4, 1>(ctas, 140, rows, counters, stream);
+  }
+  return 0;
+}
