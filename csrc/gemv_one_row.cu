@@ -182,11 +182,12 @@ cudaError_t launch_share(const void* x, const void* w, const void* bias, void* y
                             static_cast<const T*>(norm_w), static_cast<T*>(res_out), N, K, rows_per_cta, eps);
 }
 
-// An instance per share of the input row a thread holds (K <= 1024, 2048, 3072, 4096): a bs=1 layer runs four of
-// these kernels and a decode attention kernel in turn, and code unrolled for the largest K only added to what a
-// layer cycles through the SM's instruction cache (scripts/icache_bench.cu: five alternating 32 KB kernels cost
-// ~4.6 us a launch more than one). Qwen3-0.6B's layer ran 58 KB of GEMV code instead of 73 KB: bs=1 decode 1,275
-// tok/s instead of 1,243 on the H100.
+// An instance per share of the input row a thread holds (K <= 1024, 2048, 3072, 4096) rather than code unrolled
+// for the largest K: a bs=1 layer cycles through four of these kernels and a decode attention kernel, and
+// alternating kernels pay for instruction fetch once their code outgrows the SM's cache (scripts/icache_bench.cu:
+// five 32 KB kernels in turn cost ~4.6 us a launch more than one). Qwen3-0.6B's layer runs 58 KB of GEMV code
+// instead of 73 KB: bs=1 decode 1,275 tok/s instead of 1,243 on the H100 (with the weights in L2 no change, so
+// fewer loads before the wait may count as much as the code).
 template <typename T, int MODE, bool SILU_OUT = false>
 cudaError_t launch(const void* x, const void* w, const void* bias, void* y, const void* residual,
                    const void* norm_w, void* res_out, int N, int K, int rows_per_cta, float eps, int pdl,
