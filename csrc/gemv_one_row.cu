@@ -122,10 +122,11 @@ __device__ __forceinline__ float dot_row(const T* wrow, const T* xs, int K) {
   return warp_sum(acc);
 }
 
-template <typename T, int MODE, bool SILU_OUT, int SHARE>
+template <typename T, int MODE, bool SILU_OUT, int SHARE, int KC>
 __global__ void __launch_bounds__(kThreads) gemv_one_row_kernel(
     const T* x, const T* __restrict__ w, const T* __restrict__ bias, T* y, const T* residual,
-    const T* __restrict__ norm_w, T* res_out, int N, int K, int rows_per_cta, float eps) {
+    const T* __restrict__ norm_w, T* res_out, int N, int k_arg, int rows_per_cta, float eps) {
+  const int K = KC != 0 ? KC : k_arg;  // a constant where K is SHARE * 1024: no remainder code
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) uint64_t arrived[kChunks];
   __shared__ float warp_squares[kWarps];
@@ -158,12 +159,12 @@ __global__ void __launch_bounds__(kThreads) gemv_one_row_kernel(
   }
 }
 
-template <typename T, int MODE, bool SILU_OUT, int SHARE>
+template <typename T, int MODE, bool SILU_OUT, int SHARE, int KC>
 cudaError_t launch_share(const void* x, const void* w, const void* bias, void* y, const void* residual,
                          const void* norm_w, void* res_out, int N, int K, int rows_per_cta, float eps, int pdl,
                          cudaStream_t stream) {
   constexpr int kParts = SILU_OUT ? 2 : 1;
-  const auto kernel = gemv_one_row_kernel<T, MODE, SILU_OUT, SHARE>;
+  const auto kernel = gemv_one_row_kernel<T, MODE, SILU_OUT, SHARE, KC>;
   const size_t smem = static_cast<size_t>(kParts * rows_per_cta + 1) * K * sizeof(T);
   static size_t smem_allowed = 0;  // raised once per instance, to the largest asked so far
   if (smem > smem_allowed) {
@@ -182,22 +183,28 @@ cudaError_t launch_share(const void* x, const void* w, const void* bias, void* y
                             static_cast<const T*>(norm_w), static_cast<T*>(res_out), N, K, rows_per_cta, eps);
 }
 
-// An instance per share of the input row a thread holds (K <= 1024, 2048, 3072, 4096) rather than code unrolled
-// for the largest K: a bs=1 layer cycles through four of these kernels and a decode attention kernel, and
-// alternating kernels pay for instruction fetch once their code outgrows the SM's cache (scripts/icache_bench.cu:
-// five 32 KB kernels in turn cost ~4.6 us a launch more than one). Qwen3-0.6B's layer runs 58 KB of GEMV code
-// instead of 73 KB: bs=1 decode 1,275 tok/s instead of 1,243 on the H100 (with the weights in L2 no change, so
-// fewer loads before the wait may count as much as the code).
+// An instance per share of the input row a thread holds (K <= 1024, 2048, 3072, 4096), and one with K a constant
+// where K is exactly that (Qwen3-0.6B's 1024 / 2048 / 3072): no code for other Ks, no remainder loops. A bs=1
+// layer cycles through four of these kernels and a decode attention kernel, and alternating kernels pay for
+// instruction fetch once their code outgrows the SM's cache (scripts/icache_bench.cu: five 32 KB kernels in turn
+// cost ~4.6 us a launch more than one). Qwen3-0.6B's layer runs 44 KB of GEMV code instead of 73 KB unrolled for
+// K = 4096 everywhere: bs=1 decode on the H100 1,243 -> 1,275 tok/s with the share instances, -> 1,348 with the
+// constant K (with the weights in L2 the share instances alone changed nothing, so fewer instructions on the
+// critical path may count as much as their fetch).
 template <typename T, int MODE, bool SILU_OUT = false>
 cudaError_t launch(const void* x, const void* w, const void* bias, void* y, const void* residual,
                    const void* norm_w, void* res_out, int N, int K, int rows_per_cta, float eps, int pdl,
                    cudaStream_t stream) {
   if (K > kMaxK || K % 8 != 0) return cudaErrorInvalidValue;
   switch ((K / 8 + kThreads - 1) / kThreads) {
-    case 1: return launch_share<T, MODE, SILU_OUT, 1>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
-    case 2: return launch_share<T, MODE, SILU_OUT, 2>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
-    case 3: return launch_share<T, MODE, SILU_OUT, 3>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
-    case 4: return launch_share<T, MODE, SILU_OUT, 4>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
+    case 1: return K == 1024 ? launch_share<T, MODE, SILU_OUT, 1, 1024>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream)
+                   : launch_share<T, MODE, SILU_OUT, 1, 0>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
+    case 2: return K == 2048 ? launch_share<T, MODE, SILU_OUT, 2, 2048>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream)
+                   : launch_share<T, MODE, SILU_OUT, 2, 0>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
+    case 3: return K == 3072 ? launch_share<T, MODE, SILU_OUT, 3, 3072>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream)
+                   : launch_share<T, MODE, SILU_OUT, 3, 0>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
+    case 4: return K == 4096 ? launch_share<T, MODE, SILU_OUT, 4, 4096>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream)
+                   : launch_share<T, MODE, SILU_OUT, 4, 0>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
   }
   return cudaErrorInvalidValue;
 }
