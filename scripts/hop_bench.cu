@@ -10,11 +10,9 @@
 // stage 0: no input read (the hop alone); 1: the input row read through L2 + a block-wide sum (an RMSNorm's
 // reduction) before the outputs.
 //   nvcc -O3 -gencode arch=compute_90,code=sm_90 -o /tmp/hop_bench scripts/hop_bench.cu && /tmp/hop_bench
-#include <cstdio>
 #include <cuda_bf16.h>
-#include <cuda_runtime.h>
 
-#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
+#include "graph_timing.cuh"
 
 constexpr int kThreads = 128, kK = 1024, kOut = 4;
 
@@ -22,6 +20,18 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 __device__ __forceinline__ void red_release(unsigned* p) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory"); }
+
+// The row the kernel before wrote, read through L2, and its sum of squares over the CTA (an RMSNorm's reduction).
+__device__ __forceinline__ float sum_of_squares(const __nv_bfloat16* x, float* sums) {
+  uint4 v = __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x);
+  const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
+  float a = 0.f;
+  for (int i = 0; i < 8; ++i) a += __bfloat162float(e[i]) * __bfloat162float(e[i]);
+  for (int o = 16; o; o /= 2) a += __shfl_xor_sync(~0u, a, o);
+  if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = a;
+  __syncthreads();
+  return sums[0] + sums[1] + sums[2] + sums[3];
+}
 
 template <int MODE, int STAGE>
 __global__ void __launch_bounds__(kThreads) hop(const __nv_bfloat16* x, __nv_bfloat16* y, unsigned* counters, int k) {
@@ -32,17 +42,7 @@ __global__ void __launch_bounds__(kThreads) hop(const __nv_bfloat16* x, __nv_bfl
     if (threadIdx.x == 0) while (ld_acquire(counters + k - 1) < gridDim.x) { if (MODE == 3) __nanosleep(64); }
     __syncthreads();
   }
-  float s = 1.f;
-  if (STAGE) {
-    uint4 v = __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x);
-    const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
-    float a = 0.f;
-    for (int i = 0; i < 8; ++i) a += __bfloat162float(e[i]) * __bfloat162float(e[i]);
-    for (int o = 16; o; o /= 2) a += __shfl_xor_sync(~0u, a, o);
-    if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = a;
-    __syncthreads();
-    s = sums[0] + sums[1] + sums[2] + sums[3];
-  }
+  const float s = STAGE ? sum_of_squares(x, sums) : 1.f;
   if (threadIdx.x < kOut) y[(blockIdx.x * kOut + threadIdx.x) % kK] = __float2bfloat16(rsqrtf(s / kK + 1e-6f) * 0.5f);
   if (MODE == 1 || MODE == 3) {
     __syncthreads();
@@ -61,17 +61,7 @@ __global__ void __launch_bounds__(kThreads) stages(__nv_bfloat16* rows, unsigned
       if (threadIdx.x == 0) while (ld_acquire(counters + k - 1) < gridDim.x) {}
       __syncthreads();
     }
-    float s = 1.f;
-    if (STAGE) {
-      uint4 v = __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x);
-      const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
-      float a = 0.f;
-      for (int i = 0; i < 8; ++i) a += __bfloat162float(e[i]) * __bfloat162float(e[i]);
-      for (int o = 16; o; o /= 2) a += __shfl_xor_sync(~0u, a, o);
-      if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = a;
-      __syncthreads();
-      s = sums[0] + sums[1] + sums[2] + sums[3];
-    }
+    const float s = STAGE ? sum_of_squares(x, sums) : 1.f;
     if (threadIdx.x < kOut) __stcg(y + (blockIdx.x * kOut + threadIdx.x) % kK, __float2bfloat16(rsqrtf(s / kK + 1e-6f) * 0.5f));
     __syncthreads();
     if (threadIdx.x == 0) red_release(counters + k);
@@ -81,7 +71,6 @@ __global__ void __launch_bounds__(kThreads) stages(__nv_bfloat16* rows, unsigned
 template <int MODE, int STAGE>
 int run(int ctas, int chain, __nv_bfloat16* rows, unsigned* counters, cudaStream_t stream) {
   cudaGraph_t graph;
-  cudaGraphExec_t exec;
   CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   cudaMemsetAsync(counters, 0, chain * sizeof(unsigned), stream);
   if (MODE == 4) stages<STAGE><<<ctas, kThreads, 0, stream>>>(rows, counters, chain);
@@ -98,20 +87,10 @@ int run(int ctas, int chain, __nv_bfloat16* rows, unsigned* counters, cudaStream
     CHECK(cudaLaunchKernelEx(&config, hop<MODE, STAGE>, rows + (k % 2) * kK, rows + ((k + 1) % 2) * kK, counters, k));
   }
   CHECK(cudaStreamEndCapture(stream, &graph));
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 20; ++i) CHECK(cudaGraphLaunch(exec, stream));
-  CHECK(cudaStreamSynchronize(stream));
-  cudaEvent_t a, b;
-  cudaEventCreate(&a); cudaEventCreate(&b);
-  const int reps = 200;
-  cudaEventRecord(a, stream);
-  for (int i = 0; i < reps; ++i) CHECK(cudaGraphLaunch(exec, stream));
-  cudaEventRecord(b, stream);
-  CHECK(cudaEventSynchronize(b));
-  float ms; cudaEventElapsedTime(&ms, a, b);
+  float us;
+  if (time_graph(graph, stream, &us)) return 1;
   printf("| %s | %s | %d | %d | %.3f |\n", MODE == 0 ? "PDL wait" : MODE == 1 ? "PDL + counter" : MODE == 3 ? "PDL + counter, nanosleep" : MODE == 4 ? "one persistent kernel, counters" : "plain",
-         STAGE ? "row read + block sum" : "none", ctas, chain, ms * 1000.f / reps / chain);
-  cudaGraphExecDestroy(exec); cudaGraphDestroy(graph);
+         STAGE ? "row read + block sum" : "none", ctas, chain, us / chain);
   return 0;
 }
 

@@ -5,9 +5,7 @@
 // kernels 0.88 vs 1.09 us, 16 KB 1.13 vs 1.70, 32 KB 1.81 vs 6.44: five alternating kernels whose code outgrows
 // the SM's instruction cache pay for fetching it at every launch.
 //   nvcc -O3 -gencode arch=compute_90,code=sm_90 -o /tmp/icache_bench scripts/icache_bench.cu && /tmp/icache_bench
-#include <cstdio>
-#include <cuda_runtime.h>
-#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
+#include "graph_timing.cuh"
 
 template <int ID, int BODY>
 __global__ void __launch_bounds__(128) work(const float* x, float* y) {
@@ -32,7 +30,7 @@ typedef void (*Kernel)(const float*, float*);
 template <int BODY>
 int run(int distinct, float* rows, cudaStream_t stream) {
   Kernel kernels[5] = {work<0, BODY>, work<1, BODY>, work<2, BODY>, work<3, BODY>, work<4, BODY>};
-  cudaGraph_t graph; cudaGraphExec_t exec;
+  cudaGraph_t graph;
   const int chain = 140;
   CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   for (int k = 0; k < chain; ++k) {
@@ -45,17 +43,9 @@ int run(int distinct, float* rows, cudaStream_t stream) {
     CHECK(cudaLaunchKernelEx(&config, kernels[k % distinct], (const float*)(rows + (k % 2) * 128), rows + ((k + 1) % 2) * 128));
   }
   CHECK(cudaStreamEndCapture(stream, &graph));
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int i = 0; i < 20; ++i) CHECK(cudaGraphLaunch(exec, stream));
-  CHECK(cudaStreamSynchronize(stream));
-  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-  const int reps = 200;
-  cudaEventRecord(a, stream);
-  for (int i = 0; i < reps; ++i) CHECK(cudaGraphLaunch(exec, stream));
-  cudaEventRecord(b, stream);
-  CHECK(cudaEventSynchronize(b));
-  float ms; cudaEventElapsedTime(&ms, a, b);
-  printf("| %d FMAs (~%d KB of code) | %d | %.3f |\n", BODY, BODY * 16 / 1024, distinct, ms * 1000.f / reps / chain);
+  float us;
+  if (time_graph(graph, stream, &us)) return 1;
+  printf("| %d FMAs (~%d KB of code) | %d | %.3f |\n", BODY, BODY * 16 / 1024, distinct, us / chain);
   return 0;
 }
 
