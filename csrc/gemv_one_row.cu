@@ -160,9 +160,9 @@ __global__ void __launch_bounds__(kThreads) gemv_one_row_kernel(
 }
 
 template <typename T, int MODE, bool SILU_OUT, int SHARE, int KC>
-cudaError_t launch_share(const void* x, const void* w, const void* bias, void* y, const void* residual,
-                         const void* norm_w, void* res_out, int N, int K, int rows_per_cta, float eps, int pdl,
-                         cudaStream_t stream) {
+cudaError_t launch_kernel(const void* x, const void* w, const void* bias, void* y, const void* residual,
+                          const void* norm_w, void* res_out, int N, int K, int rows_per_cta, float eps, int pdl,
+                          cudaStream_t stream) {
   constexpr int kParts = SILU_OUT ? 2 : 1;
   const auto kernel = gemv_one_row_kernel<T, MODE, SILU_OUT, SHARE, KC>;
   const size_t smem = static_cast<size_t>(kParts * rows_per_cta + 1) * K * sizeof(T);
@@ -183,6 +183,18 @@ cudaError_t launch_share(const void* x, const void* w, const void* bias, void* y
                             static_cast<const T*>(norm_w), static_cast<T*>(res_out), N, K, rows_per_cta, eps);
 }
 
+// SHARE's instance with K the constant SHARE * 1024 where it is that, else with K as given.
+template <typename T, int MODE, bool SILU_OUT, int SHARE>
+cudaError_t launch_share(const void* x, const void* w, const void* bias, void* y, const void* residual,
+                         const void* norm_w, void* res_out, int N, int K, int rows_per_cta, float eps, int pdl,
+                         cudaStream_t stream) {
+  return K == SHARE * 1024
+      ? launch_kernel<T, MODE, SILU_OUT, SHARE, SHARE * 1024>(x, w, bias, y, residual, norm_w, res_out, N, K,
+                                                              rows_per_cta, eps, pdl, stream)
+      : launch_kernel<T, MODE, SILU_OUT, SHARE, 0>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta,
+                                                   eps, pdl, stream);
+}
+
 // An instance per share of the input row a thread holds (K <= 1024, 2048, 3072, 4096), and one with K a constant
 // where K is exactly that (Qwen3-0.6B's 1024 / 2048 / 3072): no code for other Ks, no remainder loops. A bs=1
 // layer cycles through four of these kernels and a decode attention kernel, and alternating kernels pay for
@@ -197,14 +209,10 @@ cudaError_t launch(const void* x, const void* w, const void* bias, void* y, cons
                    cudaStream_t stream) {
   if (K > kMaxK || K % 8 != 0) return cudaErrorInvalidValue;
   switch ((K / 8 + kThreads - 1) / kThreads) {
-    case 1: return K == 1024 ? launch_share<T, MODE, SILU_OUT, 1, 1024>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream)
-                   : launch_share<T, MODE, SILU_OUT, 1, 0>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
-    case 2: return K == 2048 ? launch_share<T, MODE, SILU_OUT, 2, 2048>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream)
-                   : launch_share<T, MODE, SILU_OUT, 2, 0>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
-    case 3: return K == 3072 ? launch_share<T, MODE, SILU_OUT, 3, 3072>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream)
-                   : launch_share<T, MODE, SILU_OUT, 3, 0>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
-    case 4: return K == 4096 ? launch_share<T, MODE, SILU_OUT, 4, 4096>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream)
-                   : launch_share<T, MODE, SILU_OUT, 4, 0>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
+    case 1: return launch_share<T, MODE, SILU_OUT, 1>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
+    case 2: return launch_share<T, MODE, SILU_OUT, 2>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
+    case 3: return launch_share<T, MODE, SILU_OUT, 3>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
+    case 4: return launch_share<T, MODE, SILU_OUT, 4>(x, w, bias, y, residual, norm_w, res_out, N, K, rows_per_cta, eps, pdl, stream);
   }
   return cudaErrorInvalidValue;
 }
