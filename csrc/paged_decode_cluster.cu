@@ -11,16 +11,16 @@
 // Grid (splits, kv heads, sequences), cluster (splits, 1, 1), 256 threads. Split s of a sequence of L tokens
 // owns positions [s * ceil(L / splits), (s + 1) * ceil(L / splits)) up to L. A CTA holds `cap` positions of K
 // and V at a time; a longer share is done in rounds, the later ones loaded after the wait (correct but slower:
-// the caller sizes cap from max_model_len). After the wait the critical path has two CTA barriers and one
+// the caller sizes cap from max_model_len). After the wait the critical path has two CTA barriers and no
 // cluster barrier: a warp a head row norms and rotates q (and the step's k) into shared memory; then each warp
 // scores, softmaxes and sums V over its own run of positions with its own softmax state (warp shuffles only);
-// the warps' states are combined and pushed to the merging splits.
+// the warps' states are combined and sent to the merging splits with st.async, which completes the receiver's
+// mbarrier (on the H100 the combine, the pushes and a cluster.sync took ~1.9 us after the wait, the combine and
+// the st.async sends ~0.7: the cluster.sync's release compiled to a GPU-wide fence).
 // Rounded where the twins round: the q/k RMSNorm and rotary as kernels/rotary.py's rope_rows; the softmax
 // weights rounded to the model dtype before they multiply V (the Triton kernel's tl.dot(p.to(v.dtype), v)).
 // Reference: attention.torch_backend.decode_reference after RotaryEmbedding.forward_native
 // (nanovllm/kernels/paged_decode_cluster.py).
-#include <cooperative_groups.h>
-
 #include "common.cuh"
 
 // The kernel's arguments: one struct, which the host fills through ctypes (nanovllm/kernels/paged_decode_cluster.py
@@ -49,7 +49,6 @@ struct Params {
 namespace {
 
 using namespace nanovllm;
-namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -88,6 +87,8 @@ struct Shared {
   float inbox_m[SPLITS][GROUP];
   float inbox_l[SPLITS][GROUP];
   float inbox_acc[SPLITS][L::kOwned];
+  uint64_t inbox_full;  // completes when every split's sends have landed in this split's inbox
+  static constexpr uint32_t kInboxBytes = SPLITS * (L::kOwned + 2 * GROUP) * sizeof(float);
 };
 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
@@ -96,27 +97,41 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
 
 __device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// v into the cluster peer `rank`'s copy of `field` (this CTA's shared memory address of it), completing 4 bytes of
+// the peer's copy of `barrier` (st.async: no fence, no cluster barrier for the receiver to wait on)
+__device__ __forceinline__ void send(const float* field, uint64_t* barrier, unsigned rank, float v) {
+  uint32_t remote_field, remote_barrier;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_field) : "r"(smem_addr(field)), "r"(rank));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_barrier) : "r"(smem_addr(barrier)), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+               ::"r"(remote_field), "r"(__float_as_uint(v)), "r"(remote_barrier) : "memory");
+}
+
+// log2 of the page size, a power of two (Config.block_size): shifts and masks instead of divisions by it
+__device__ __forceinline__ int page_shift(const Params& p) { return __ffs(p.page) - 1; }
+
 template <typename T, int N> __device__ __forceinline__ void load_shared(const T* p, float* out) {
   unpack<T, N>(*reinterpret_cast<const Piece<T, N>*>(p), out);
 }
 
 // K and V of positions [r0, r1) of one sequence and kv head into rows 0.. of ks and vs, except position `skip`
 // (this step's, not in the cache yet). The block numbers are staged in `pages` first, so that no copy waits on
-// a table read. Asynchronous: wait_copies() before reading the rows.
-template <typename T, int D>
+// a table read. Asynchronous: wait_copies() before reading the rows. UNROLL: 4 before the wait, where the copies
+// must be issued fast; 1 for later rounds (off the common path: less code for the SM's instruction caches).
+template <typename T, int D, int UNROLL>
 __device__ void copy_rows(T* ks, T* vs, int* pages, const T* k_cache, const T* v_cache, const int* table,
                           const Params& p, int kv_head, int r0, int r1, int skip) {
   constexpr int kPieces = D / 8;  // 16-byte pieces of a row
   if (r1 <= r0) return;
-  const int first_page = r0 / p.page;
-  for (int i = threadIdx.x; i <= (r1 - 1) / p.page - first_page; i += kThreads) pages[i] = __ldcg(table + first_page + i);
+  const int shift = page_shift(p), first_page = r0 >> shift;
+  for (int i = threadIdx.x; i <= ((r1 - 1) >> shift) - first_page; i += kThreads) pages[i] = __ldcg(table + first_page + i);
   __syncthreads();
-#pragma unroll 4
+#pragma unroll UNROLL
   for (int i = threadIdx.x; i < (r1 - r0) * kPieces; i += kThreads) {
     const int r = i / kPieces, c = i % kPieces, pos = r0 + r;
     if (pos == skip) continue;
-    const int64_t at = static_cast<int64_t>(pages[pos / p.page - first_page]) * p.stride_cb +
-                       (pos % p.page) * p.stride_cs + kv_head * p.stride_ch + c * 8;
+    const int64_t at = static_cast<int64_t>(pages[(pos >> shift) - first_page]) * p.stride_cb +
+                       (pos & (p.page - 1)) * p.stride_cs + kv_head * p.stride_ch + c * 8;
     cp_async16(ks + r * D + c * 8, k_cache + at);
     cp_async16(vs + r * D + c * 8, v_cache + at);
   }
@@ -149,7 +164,13 @@ __global__ void __launch_bounds__(kThreads) paged_decode_cluster_kernel(const Pa
 
   // Before the wait: nothing here reads what the kernel before writes.
   launch_dependents();  // now: the next kernel's CTAs start their own loads beside this one's
-  copy_rows<T, D>(ks, vs, pages, k_cache, v_cache, table, p, kv_head, start, min(end, start + p.cap), last);
+  if (threadIdx.x == 0) {
+    barrier_init(&sh.inbox_full, 1);
+    barriers_initialized();
+  }
+  // every split's inbox barrier is initialized before any split sends (the cluster wait is below the copies)
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+  copy_rows<T, D, 4>(ks, vs, pages, k_cache, v_cache, table, p, kv_head, start, min(end, start + p.cap), last);
   if (last >= 0) {
     const T* cos_row = static_cast<const T*>(p.cos) + static_cast<int64_t>(last) * D;
     const T* sin_row = static_cast<const T*>(p.sin) + static_cast<int64_t>(last) * D;
@@ -162,8 +183,9 @@ __global__ void __launch_bounds__(kThreads) paged_decode_cluster_kernel(const Pa
   int64_t new_at = 0;  // where this step's key and value go in the caches
   if (holds_new) {
     const int64_t slot_new = __ldcg(p.slot_mapping + seq);
-    new_at = (slot_new / p.page) * p.stride_cb + (slot_new % p.page) * p.stride_cs + kv_head * p.stride_ch;
+    new_at = (slot_new >> page_shift(p)) * p.stride_cb + (slot_new & (p.page - 1)) * p.stride_cs + kv_head * p.stride_ch;
   }
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
   wait_copies();
   __syncthreads();
   wait_for_prior_kernel();  // q, k and v of this step are its output
@@ -215,7 +237,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_cluster_kernel(const Pa
     const int n = min(end - r0, p.cap);
     if (r0 != start) {  // a later round: its rows load after the wait
       __syncthreads();  // every warp is done with the previous round's rows
-      copy_rows<T, D>(ks, vs, pages, k_cache, v_cache, table, p, kv_head, r0, r0 + n, last);
+      copy_rows<T, D, 1>(ks, vs, pages, k_cache, v_cache, table, p, kv_head, r0, r0 + n, last);
       wait_copies();
       __syncthreads();
     }
@@ -284,7 +306,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_cluster_kernel(const Pa
 #pragma unroll
     for (int e = 0; e < L::kPvDims; ++e) warp_acc[(warp * GROUP + g) * D + lane * L::kPvDims + e] = acc[g][e];
   __syncthreads();
-  cg::cluster_group cluster = cg::this_cluster();
+  if (threadIdx.x == 0) barrier_expect(&sh.inbox_full, Sh::kInboxBytes);
   for (int item = threadIdx.x; item < GROUP * D; item += kThreads) {
     const int g = item / D, d = item % D;
     float m = -INFINITY;
@@ -298,13 +320,13 @@ __global__ void __launch_bounds__(kThreads) paged_decode_cluster_kernel(const Pa
       sum += weight * warp_acc[(w * GROUP + g) * D + d];
       l += weight * lw;
     }
-    cluster.map_shared_rank(&sh, item / L::kOwned)->inbox_acc[split][item % L::kOwned] = sum;
+    send(&sh.inbox_acc[split][item % L::kOwned], &sh.inbox_full, item / L::kOwned, sum);
     if (d < SPLITS) {
-      Sh* peer = cluster.map_shared_rank(&sh, d);
-      peer->inbox_m[split][g] = m, peer->inbox_l[split][g] = l;
+      send(&sh.inbox_m[split][g], &sh.inbox_full, d, m);
+      send(&sh.inbox_l[split][g], &sh.inbox_full, d, l);
     }
   }
-  cluster.sync();  // every split's sends have landed
+  barrier_wait(&sh.inbox_full, 0);  // every split's sends have landed
   // merge: SPLITS lanes an output, one a split
   T* out = static_cast<T*>(p.out) + seq * p.stride_ot + kv_head * GROUP * p.stride_oh;
   for (int pair = threadIdx.x; pair < L::kOwned * SPLITS; pair += kThreads) {

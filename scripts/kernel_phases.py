@@ -56,13 +56,13 @@ ATTENTION_STAMPS = [
     ("    __syncwarp();\n    // the warp's softmax state", "    STAMP(4)\n", False),
     ("    __syncwarp();\n    // weighted sums of V", "    STAMP(5)\n", False),
     ("  // the warps' states into one for the CTA", "  STAMP(6)\n", False),
-    ("  cg::cluster_group cluster = cg::this_cluster();\n", "  STAMP(7)\n", False),
-    ("  cluster.sync();  // every split's sends have landed\n", "  STAMP(8)\n", True),
+    ("  if (threadIdx.x == 0) barrier_expect(&sh.inbox_full, Sh::kInboxBytes);\n", "  STAMP(7)\n", False),
+    ("  barrier_wait(&sh.inbox_full, 0);  // every split's sends have landed\n", "  STAMP(8)\n", True),
     ("    if (s == 0) out[g * p.stride_oh + d] = from_float<T>(den > 0.f ? num / den : 0.f);\n  }\n", "  STAMP(9)\n",
      True),
 ]
 ATTENTION_PHASES = ["start -> wait call", "wait", "q/k loads + rotary", "scores", "softmax", "P.V", "to smem + sync",
-                    "combine + push + cluster barrier", "merge + store"]
+                    "combine + send + inbox wait", "merge + store"]
 
 
 def stamped(name: str, stamps) -> str:
@@ -149,7 +149,7 @@ def engine_step(libraries):
     for r in records:
         if r[0] == ATTENTION:
             clusters.setdefault((r[1], r[2] // 1000), []).append(r)
-    for stamp, what in ((2, "wait returned"), (7, "at the cluster barrier"), (8, "past it")):
+    for stamp, what in ((2, "wait returned"), (7, "before the sends"), (8, "past the inbox wait")):
         spread = [max(r[4 + stamp] for r in rs) - min(r[4 + stamp] for r in rs) for rs in clusters.values()]
         print(f"  attention, spread within a cluster of '{what}': mean {sum(spread) / len(spread):.0f} ns, "
               f"max {max(spread)} ns")
