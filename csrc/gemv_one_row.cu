@@ -9,7 +9,8 @@
 // ran at 3.0 TB/s in a graph, 1.9 without PDL (Triton cannot express this: its loads land in registers and its
 // pipelines start after the wait). The critical path after the wait is kept short: one round trip for the input
 // row, the fused operation once per CTA into shared memory, and warps that own whole rows of W, so that lane 0
-// writes each output.
+// writes each output. The fused gate_up (SILU_OUT) holds its weight copies back for a while (hold_stream), so that
+// its burst does not slow the hand-off of the kernels before it.
 //
 // Each CTA owns rows_per_cta consecutive rows of W (contiguous [N, K]). The fused operation in front of the
 // product, rounded where the torch twins round:
@@ -31,6 +32,10 @@ constexpr int kThreads = 128;  // bs=1 decode on the H100, one CTA a SM: 963-965
 constexpr int kWarps = kThreads / 32;
 constexpr int kChunks = 4;  // W's slice arrives in this many pieces, so multiplying can start on the first
 constexpr int kMaxK = 4096;
+// SILU_OUT's CTAs start their weight copies this long after they start (hold_stream). bs=1 decode of Qwen3-0.6B on
+// the H100: 1,369-1,371 tok/s with 4,000 ns (three calls, two machines), 1,364-1,366 with 2,000, 1,353-1,358
+// without; every GEMV's copies held 1,000 / 2,000 ns lost (1,313-1,353 / 1,288-1,290).
+constexpr unsigned kGateUpHoldNs = 4000;
 
 enum Mode { MODE_PLAIN = 0, MODE_ADD_NORM = 1, MODE_SILU_MUL = 2, MODE_ADD_NORM_SILU_OUT = 3 };
 
@@ -54,6 +59,20 @@ __device__ void start_weight_copies(T* ws, const T* slice, const T* second, int 
       bulk_copy(ws + (static_cast<size_t>(part) * stride + r0) * K, src, bytes, &arrived[c]);
     }
   }
+}
+
+// Until `ns` after the call (thread 0, before it issues the weight copies). A kernel's CTAs become resident when
+// the kernel two before leaves the SMs, i.e. at that kernel's hand-off to the next, and a burst of weight copies
+// then slows that hand-off: in a bs=1 Qwen3-0.6B layer on the H100, gate_up's 12 MB burst at the qkv GEMV's end
+// held the decode attention's wait ~1.3-1.8 us longer (scripts/kernel_phases.py: 1.7-2.2 us from qkv's last CTA
+// to the attention's first wait return, 0.4 us with the burst 2 us later).
+__device__ __forceinline__ void hold_stream(unsigned ns) {
+  unsigned long long start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    __nanosleep(200);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
 }
 
 // Thread t's share of the input row: 16-byte vectors t, t + kThreads, ... (SHARE of them: K <= SHARE * 8 * kThreads).
@@ -136,9 +155,11 @@ __global__ void __launch_bounds__(kThreads) gemv_one_row_kernel(
   T* xs = ws + static_cast<size_t>(kParts) * rows_per_cta * K;
   const int row0 = blockIdx.x * rows_per_cta;
   const int rows = min(rows_per_cta, outputs - row0);
-  if (threadIdx.x == 0)
+  if (threadIdx.x == 0) {
+    if constexpr (SILU_OUT) hold_stream(kGateUpHoldNs);
     start_weight_copies(ws, w + static_cast<size_t>(row0) * K,
                         SILU_OUT ? w + static_cast<size_t>(outputs + row0) * K : nullptr, rows_per_cta, rows, K, arrived);
+  }
   Pack<T> scale[SHARE];  // the norm's weight: read before the wait, like W
   if constexpr (MODE == MODE_ADD_NORM) load_share<T, false, SHARE>(scale, norm_w, K);
   __syncthreads();  // the barriers are initialized before any thread waits on them
