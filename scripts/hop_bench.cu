@@ -7,6 +7,8 @@
 //   mode 2: plain launches (no PDL)
 //   mode 3: mode 1 with __nanosleep in the spin
 //   mode 4: one persistent kernel, a counter a stage (a megakernel's hand-off)
+//   mode 5: mode 0 with every other kernel 128 CTAs in clusters of 16 (a bs=1 layer's decode attention)
+//   mode 6: mode 5 without the clusters (every other kernel 128 CTAs)
 // stage 0: no input read (the hop alone); 1: the input row read through L2 + a block-wide sum (an RMSNorm's
 // reduction) before the outputs.
 //   nvcc -O3 -gencode arch=compute_90,code=sm_90 -o /tmp/hop_bench scripts/hop_bench.cu && /tmp/hop_bench
@@ -37,7 +39,7 @@ template <int MODE, int STAGE>
 __global__ void __launch_bounds__(kThreads) hop(const __nv_bfloat16* x, __nv_bfloat16* y, unsigned* counters, int k) {
   __shared__ float sums[kThreads / 32];
   if (MODE != 2) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  if (MODE == 0) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (MODE == 0 || MODE == 5 || MODE == 6) asm volatile("griddepcontrol.wait;" ::: "memory");
   if ((MODE == 1 || MODE == 3) && k > 0) {
     if (threadIdx.x == 0) while (ld_acquire(counters + k - 1) < gridDim.x) { if (MODE == 3) __nanosleep(64); }
     __syncthreads();
@@ -84,12 +86,20 @@ int run(int ctas, int chain, __nv_bfloat16* rows, unsigned* counters, cudaStream
     attribute.val.programmaticStreamSerializationAllowed = 1;
     config.attrs = &attribute;
     config.numAttrs = MODE == 2 ? 0 : 1;
+    cudaLaunchAttribute attributes[2] = {attribute, {}};
+    if ((MODE == 5 || MODE == 6) && k % 2 == 1) {
+      config.gridDim = dim3(128);
+      attributes[1].id = cudaLaunchAttributeClusterDimension;
+      attributes[1].val.clusterDim.x = 16, attributes[1].val.clusterDim.y = 1, attributes[1].val.clusterDim.z = 1;
+      config.attrs = attributes;
+      config.numAttrs = MODE == 5 ? 2 : 1;
+    }
     CHECK(cudaLaunchKernelEx(&config, hop<MODE, STAGE>, rows + (k % 2) * kK, rows + ((k + 1) % 2) * kK, counters, k));
   }
   CHECK(cudaStreamEndCapture(stream, &graph));
   float us;
   if (time_graph(graph, stream, &us)) return 1;
-  printf("| %s | %s | %d | %d | %.3f |\n", MODE == 0 ? "PDL wait" : MODE == 1 ? "PDL + counter" : MODE == 3 ? "PDL + counter, nanosleep" : MODE == 4 ? "one persistent kernel, counters" : "plain",
+  printf("| %s | %s | %d | %d | %.3f |\n", MODE == 5 ? "PDL wait, every other kernel 16-CTA clusters" : MODE == 6 ? "PDL wait, every other kernel 128 CTAs" : MODE == 0 ? "PDL wait" : MODE == 1 ? "PDL + counter" : MODE == 3 ? "PDL + counter, nanosleep" : MODE == 4 ? "one persistent kernel, counters" : "plain",
          STAGE ? "row read + block sum" : "none", ctas, chain, us / chain);
   return 0;
 }
@@ -99,8 +109,18 @@ int main() {
   CHECK(cudaMalloc(&rows, 2 * kK * sizeof(__nv_bfloat16)));
   CHECK(cudaMemset(rows, 0, 2 * kK * sizeof(__nv_bfloat16)));
   CHECK(cudaMalloc(&counters, 4096 * sizeof(unsigned)));
+  CHECK(cudaFuncSetAttribute(hop<5, 0>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  CHECK(cudaFuncSetAttribute(hop<5, 1>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   cudaStream_t stream; cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
   printf("| hand-off | after it | CTAs | kernels | us a kernel |\n|---|---|---|---|---|\n");
+  for (int ctas : {264}) {
+    run<0, 0>(ctas, 140, rows, counters, stream);
+    run<5, 0>(ctas, 140, rows, counters, stream);
+    run<6, 0>(ctas, 140, rows, counters, stream);
+    run<0, 1>(ctas, 140, rows, counters, stream);
+    run<5, 1>(ctas, 140, rows, counters, stream);
+    run<6, 1>(ctas, 140, rows, counters, stream);
+  }
   for (int ctas : {132, 264}) {
     run<2, 0>(ctas, 140, rows, counters, stream);
     run<0, 0>(ctas, 140, rows, counters, stream);
