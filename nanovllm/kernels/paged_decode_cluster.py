@@ -107,6 +107,7 @@ def paged_decode_cluster(q, k_new, v_new, k_cache, v_cache, block_tables, seq_le
     B, H, D = q.shape
     _, page, kv_heads, _ = k_cache.shape
     assert takes(q, k_cache, B) and rope.cos.is_contiguous() and rope.cos.shape[1] == D
+    assert page & (page - 1) == 0, f"the kernel takes power-of-two pages (shifts), got {page}"
     assert q.stride(2) == 1 and k_new.stride(1) == D and k_new.stride(2) == 1 and v_new.stride(1) == D
     assert v_new.stride(2) == 1 and slot_mapping.dtype == torch.int64 and block_tables.dtype == torch.int32
     # the kernel reads head rows in 4- to 16-byte pieces
