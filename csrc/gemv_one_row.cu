@@ -3,14 +3,14 @@
 // Why a CUDA kernel: at one row the GEMV is a pure weight stream, and a Qwen3-0.6B layer's four weights
 // (4-13 MB each) are too small for a kernel to reach HBM speed between its launch ramp and its tail. The weight
 // does not depend on the kernel before, so each CTA copies its whole slice of W into shared memory (bulk async
-// copies) BEFORE the programmatic-dependent-launch wait, and lets the next kernel launch at once. Under PDL the
+// copies by a producer warp, which does not wait) while its compute warps are at the programmatic-dependent-launch
+// wait, and lets the next kernel launch at once. Under PDL the
 // next kernels' CTAs sit beside this one's (each takes <= 110 KB of shared memory and few registers) and stream
 // their weights while this one waits and multiplies: on the H100, 28 kernels that only load 8.4 MB each this way
 // ran at 3.0 TB/s in a graph, 1.9 without PDL (Triton cannot express this: its loads land in registers and its
 // pipelines start after the wait). The critical path after the wait is kept short: one round trip for the input
 // row, the fused operation once per CTA into shared memory, and warps that own whole rows of W, so that lane 0
-// writes each output. The fused gate_up (SILU_OUT) holds its weight copies back for a while (hold_stream), so that
-// its burst does not slow the hand-off of the kernels before it.
+// writes each output.
 //
 // Each CTA owns rows_per_cta consecutive rows of W (contiguous [N, K]). The fused operation in front of the
 // product, rounded where the torch twins round:
@@ -30,28 +30,29 @@ using namespace nanovllm;
 
 constexpr int kThreads = 128;  // bs=1 decode on the H100, one CTA a SM: 963-965 tok/s with 128, 893-899 with 256
 constexpr int kWarps = kThreads / 32;
-constexpr int kChunks = 4;  // W's slice arrives in this many pieces, so multiplying can start on the first
+// W's slice arrives in up to kChunks pieces (a row at least), ONE in flight at a time, copied by a producer warp
+// that does not wait for the kernel before. Why one at a time: the layer's next kernels stream their weights while
+// this one's critical path (the input row's L2 round trip, the hand-off to the next kernel) runs, and all of a
+// kernel's copies issued at once (12 MB for Qwen3-0.6B's gate_up) slow those L2 round trips. bs=1 decode of
+// Qwen3-0.6B on the H100 (window of chunks in flight / chunks): 1 / 3 1,415-1,419 tok/s, 1 / 4 1,403-1,409,
+// 1 / 2 1,400-1,403, 1 / 6 1,387-1,391, 1 / 8 1,373-1,376, 2 / 4 1,368-1,370, 2 / 8 1,369-1,370, all at once
+// 1,251-1,262 with the producer warp, 1,369-1,371 by thread 0 (with gate_up's copies held back 4 us; that was the
+// kernel before this scheme).
+constexpr int kChunks = 3;
+constexpr int kBlock = kThreads + 32;  // the compute warps, then the producer warp
 constexpr int kMaxK = 4096;
-// SILU_OUT's CTAs start their weight copies this long after they start (hold_stream). bs=1 decode of Qwen3-0.6B on
-// the H100: 1,369-1,371 tok/s with 4,000 ns (three calls, two machines), 1,364-1,366 with 2,000, 1,353-1,358
-// without; every GEMV's copies held 1,000 / 2,000 ns lost (1,313-1,353 / 1,288-1,290).
-constexpr unsigned kGateUpHoldNs = 4000;
 
 enum Mode { MODE_PLAIN = 0, MODE_ADD_NORM = 1, MODE_SILU_MUL = 2, MODE_ADD_NORM_SILU_OUT = 3 };
 
-// Thread 0 starts the bulk copies of the CTA's slice of W, chunk c completing arrived[c]. With `second` (the
-// up half of a stacked [gate; up] weight), the same rows of it land behind the first slice (at ws + stride * K).
+// The producer thread's bulk copies of the CTA's slice of W, chunk c (of `chunks`) completing arrived[c], each
+// issued once the one before has landed. With `second` (the up half of a stacked [gate; up] weight), the same rows
+// of it land behind the first slice (at ws + stride * K).
 template <typename T>
-__device__ void start_weight_copies(T* ws, const T* slice, const T* second, int stride, int rows, int K,
-                                    uint64_t* arrived) {
-  for (int c = 0; c < kChunks; ++c) barrier_init(&arrived[c], 1);
-  barriers_initialized();
-  for (int c = 0; c < kChunks; ++c) {
-    const int r0 = rows * c / kChunks, r1 = rows * (c + 1) / kChunks;
-    if (r1 == r0) {  // an empty chunk: complete its barrier with a plain arrive
-      barrier_arrive(&arrived[c]);
-      continue;
-    }
+__device__ void stream_weight(T* ws, const T* slice, const T* second, int stride, int rows, int chunks, int K,
+                              uint64_t* arrived) {
+  for (int c = 0; c < chunks; ++c) {
+    if (c > 0) barrier_wait(&arrived[c - 1], 0);
+    const int r0 = rows * c / chunks, r1 = rows * (c + 1) / chunks;
     const uint32_t bytes = static_cast<uint32_t>((r1 - r0) * K * sizeof(T));
     barrier_expect(&arrived[c], second != nullptr ? 2 * bytes : bytes);
     for (int part = 0; part < (second != nullptr ? 2 : 1); ++part) {
@@ -61,19 +62,8 @@ __device__ void start_weight_copies(T* ws, const T* slice, const T* second, int 
   }
 }
 
-// Until `ns` after the call (thread 0, before it issues the weight copies). A kernel's CTAs become resident when
-// the kernel two before leaves the SMs, i.e. at that kernel's hand-off to the next, and a burst of weight copies
-// then slows that hand-off: in a bs=1 Qwen3-0.6B layer on the H100, gate_up's 12 MB burst at the qkv GEMV's end
-// held the decode attention's wait ~1.3-1.8 us longer (scripts/kernel_phases.py: 1.7-2.2 us from qkv's last CTA
-// to the attention's first wait return, 0.4 us with the burst 2 us later).
-__device__ __forceinline__ void hold_stream(unsigned ns) {
-  unsigned long long start, now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  do {
-    __nanosleep(200);
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-  } while (now - start < ns);
-}
+// a barrier of the compute warps only (the producer warp does not wait for the input row)
+__device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
 
 // Thread t's share of the input row: 16-byte vectors t, t + kThreads, ... (SHARE of them: K <= SHARE * 8 * kThreads).
 // SHARE is a template parameter, the fewest for K (kMaxK / 8 / kThreads at most), rather than the most for every K:
@@ -121,10 +111,10 @@ __device__ void stage_input(T* xs, float* warp_squares, const Pack<T> (&scale)[S
     if (MODE != MODE_ADD_NORM) reinterpret_cast<uint4*>(xs)[v] = a[i].bits;
   }
   if constexpr (MODE == MODE_ADD_NORM) {
-    const float inv = inv_rms<kWarps>(squares, warp_squares, [] { __syncthreads(); }, K, eps);
+    const float inv = inv_rms<kWarps>(squares, warp_squares, [] { compute_sync(); }, K, eps);
     store_normed<T, SHARE, kThreads>(xs, a, scale, K, inv);
   }
-  __syncthreads();
+  compute_sync();
 }
 
 template <typename T>
@@ -142,7 +132,7 @@ __device__ __forceinline__ float dot_row(const T* wrow, const T* xs, int K) {
 }
 
 template <typename T, int MODE, bool SILU_OUT, int SHARE, int KC>
-__global__ void __launch_bounds__(kThreads) gemv_one_row_kernel(
+__global__ void __launch_bounds__(kBlock) gemv_one_row_kernel(
     const T* x, const T* __restrict__ w, const T* __restrict__ bias, T* y, const T* residual,
     const T* __restrict__ norm_w, T* res_out, int N, int k_arg, int rows_per_cta, float eps) {
   const int K = KC != 0 ? KC : k_arg;  // a constant where K is SHARE * 1024: no remainder code
@@ -155,19 +145,28 @@ __global__ void __launch_bounds__(kThreads) gemv_one_row_kernel(
   T* xs = ws + static_cast<size_t>(kParts) * rows_per_cta * K;
   const int row0 = blockIdx.x * rows_per_cta;
   const int rows = min(rows_per_cta, outputs - row0);
-  if (threadIdx.x == 0) {
-    if constexpr (SILU_OUT) hold_stream(kGateUpHoldNs);
-    start_weight_copies(ws, w + static_cast<size_t>(row0) * K,
-                        SILU_OUT ? w + static_cast<size_t>(outputs + row0) * K : nullptr, rows_per_cta, rows, K, arrived);
+  const int chunks = min(rows, kChunks);
+  if (threadIdx.x == kThreads) {
+    for (int c = 0; c < chunks; ++c) barrier_init(&arrived[c], 1);
+    barriers_initialized();
+  }
+  __syncthreads();  // the barriers are initialized before any thread waits on them
+  if (threadIdx.x >= kThreads) {  // the producer warp: its lane 0 streams W while the compute warps wait
+    launch_dependents();
+    if (threadIdx.x == kThreads) {
+      stream_weight(ws, w + static_cast<size_t>(row0) * K,
+                    SILU_OUT ? w + static_cast<size_t>(outputs + row0) * K : nullptr, rows_per_cta, rows, chunks, K,
+                    arrived);
+    }
+    return;
   }
   Pack<T> scale[SHARE];  // the norm's weight: read before the wait, like W
   if constexpr (MODE == MODE_ADD_NORM) load_share<T, false, SHARE>(scale, norm_w, K);
-  __syncthreads();  // the barriers are initialized before any thread waits on them
   release_then_wait();  // the input row is the kernel before's output
   stage_input<T, MODE, SHARE>(xs, warp_squares, scale, x, residual, blockIdx.x == 0 ? res_out : nullptr, K, eps);
   int ready = 0;  // chunks this warp has waited for
   for (int r = threadIdx.x / 32; r < rows; r += kWarps) {
-    while (rows * ready / kChunks <= r) barrier_wait(&arrived[ready++], 0);
+    while (rows * ready / chunks <= r) barrier_wait(&arrived[ready++], 0);
     float acc = dot_row(ws + static_cast<size_t>(r) * K, xs, K);
     if (bias != nullptr) acc += to_float(bias[row0 + r]);
     if constexpr (SILU_OUT) {  // rounded as the unfused GEMV's output, then SiluAndMul
@@ -197,7 +196,7 @@ cudaError_t launch_kernel(const void* x, const void* w, const void* bias, void* 
     smem_allowed = smem;
   }
   cudaLaunchAttribute attribute;
-  const cudaLaunchConfig_t config = launch_config(dim3((N / kParts + rows_per_cta - 1) / rows_per_cta), dim3(kThreads),
+  const cudaLaunchConfig_t config = launch_config(dim3((N / kParts + rows_per_cta - 1) / rows_per_cta), dim3(kBlock),
                                                   smem, stream, attribute, pdl);
   return cudaLaunchKernelEx(&config, kernel, static_cast<const T*>(x), static_cast<const T*>(w),
                             static_cast<const T*>(bias), static_cast<T*>(y), static_cast<const T*>(residual),

@@ -43,7 +43,7 @@ GEMV_STAMPS = [
     ("  release_then_wait();  // the input row is the kernel before's output\n", "  STAMP(1)\n", True),
     ("  stage_input<T, MODE, SHARE>(xs, warp_squares, scale, x, residual, blockIdx.x == 0 ? res_out : nullptr, K, eps);\n",
      "  STAMP(2)\n", True),
-    ("    while (rows * ready / kChunks <= r) barrier_wait(&arrived[ready++], 0);\n", "    STAMP(3)\n", True),
+    ("    while (rows * ready / chunks <= r) barrier_wait(&arrived[ready++], 0);\n", "    STAMP(3)\n", True),
     ("    if (threadIdx.x % 32 == 0) y[row0 + r] = from_float<T>(acc);\n  }\n", "  STAMP(4)\n", True),
 ]
 GEMV_PHASES = ["start -> wait returned", "stage input", "until warp 0's last chunk", "rest of dots + store"]
