@@ -8,14 +8,18 @@ import torch
 
 from nanovllm.kernels import cuda_library, pdl
 
-# a CTA's shared memory at most: its slice of W plus the staged input row (at most 55 KB for Qwen3-0.6B's layers,
-# two CTAs a SM each). Set when a GEMV had one CTA a SM, so that the next GEMV's fit beside it on the SM (228 KB)
-SMEM_LIMIT = 110 * 1024
+# a CTA's shared memory at most: its slice of W plus the staged input row (at most 34 KB for Qwen3-0.6B's layers,
+# three CTAs a SM each), so that a GEMV's CTAs fill at most a third of the SM's 228 KB. Weights past it (Llama-3-8B's)
+# take the Triton GEMV.
+SMEM_LIMIT = 74 * 1024
 # add_norm_silu: add_norm in front, and behind, silu(gate) * up of a stacked [gate; up] weight (N / 2 outputs)
 MODES = {"plain": 0, "add_norm": 1, "silu_mul": 2, "add_norm_silu": 3}
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
-# CTAs of one GEMV per SM: bs=1 decode of Qwen3-0.6B on the H100 ran 963 tok/s with 1, 1,038 with 2, 1,014 with 4
-CTAS_PER_SM = 2
+# CTAs of one GEMV per SM. bs=1 decode of Qwen3-0.6B on the H100, the weight streamed a chunk at a time: 1,415-1,420
+# tok/s with 2, 1,448-1,451 with 3, 1,435-1,437 with 4. With 3, the qkv and gate_up GEMVs' weights had landed
+# sooner (their last chunk ~1.6 / 1.4 us after staging the input instead of ~2.1 / 1.9; scripts/kernel_phases.py):
+# smaller CTAs, each with a chunk in flight, and a finer fit beside the two kernels around them on the SM.
+CTAS_PER_SM = 3
 MAX_K = 4096  # kMaxK of the .cu: each thread holds its share of the staged input row in registers
 
 def why_off(device: torch.device) -> str | None:
