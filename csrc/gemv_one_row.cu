@@ -32,12 +32,12 @@ constexpr int kThreads = 128;  // bs=1 decode on the H100, one CTA a SM: 963-965
 constexpr int kWarps = kThreads / 32;
 // W's slice arrives in up to kChunks pieces (a row at least), ONE in flight at a time, copied by a producer warp
 // that does not wait for the kernel before. Why one at a time: the layer's next kernels stream their weights while
-// this one's critical path (the input row's L2 round trip, the hand-off to the next kernel) runs, and all of a
-// kernel's copies issued at once (12 MB for Qwen3-0.6B's gate_up) slow those L2 round trips. bs=1 decode of
-// Qwen3-0.6B on the H100 (window of chunks in flight / chunks): 1 / 3 1,415-1,419 tok/s, 1 / 4 1,403-1,409,
-// 1 / 2 1,400-1,403, 1 / 6 1,387-1,391, 1 / 8 1,373-1,376, 2 / 4 1,368-1,370, 2 / 8 1,369-1,370, all at once
-// 1,251-1,262 with the producer warp, 1,369-1,371 by thread 0 (with gate_up's copies held back 4 us; that was the
-// kernel before this scheme).
+// this one's critical path (the input row's L2 round trip, the hand-off to the next kernel) runs, and a kernel's
+// copies issued all at once (12 MB for Qwen3-0.6B's gate_up) slowed the hand-off beside them (scripts/kernel_phases.py:
+// qkv -> attention 1.7-2.2 us, 0.5 now). bs=1 decode of Qwen3-0.6B on the H100, two CTAs a SM (window of chunks in
+// flight / chunks): 1 / 3 1,415-1,419 tok/s, 1 / 4 1,403-1,409, 1 / 2 1,400-1,403, 1 / 6 1,387-1,391, 1 / 8
+// 1,373-1,376, 2 / 4 1,368-1,370, 2 / 8 1,369-1,372; all at once by thread 0 (the kernel before, with gate_up's
+// copies held 4 us) 1,369-1,371, all at once by the producer warp (gate_up held) 1,251-1,262.
 constexpr int kChunks = 3;
 constexpr int kBlock = kThreads + 32;  // the compute warps, then the producer warp
 constexpr int kMaxK = 4096;
