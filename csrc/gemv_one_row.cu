@@ -4,13 +4,12 @@
 // (4-13 MB each) are too small for a kernel to reach HBM speed between its launch ramp and its tail. The weight
 // does not depend on the kernel before, so each CTA copies its whole slice of W into shared memory (bulk async
 // copies by a producer warp, which does not wait) while its compute warps are at the programmatic-dependent-launch
-// wait, and lets the next kernel launch at once. Under PDL the
-// next kernels' CTAs sit beside this one's (each takes <= 110 KB of shared memory and few registers) and stream
-// their weights while this one waits and multiplies: on the H100, 28 kernels that only load 8.4 MB each this way
-// ran at 3.0 TB/s in a graph, 1.9 without PDL (Triton cannot express this: its loads land in registers and its
-// pipelines start after the wait). The critical path after the wait is kept short: one round trip for the input
-// row, the fused operation once per CTA into shared memory, and warps that own whole rows of W, so that lane 0
-// writes each output.
+// wait, and lets the next kernel launch at once. Under PDL the next kernels' CTAs sit beside this one's (each takes
+// <= 74 KB of shared memory and few registers) and stream their weights while this one waits and multiplies: on
+// the H100, 28 kernels that only load 8.4 MB each this way ran at 3.0 TB/s in a graph, 1.9 without PDL (Triton
+// cannot express this: its loads land in registers and its pipelines start after the wait). The critical path
+// after the wait is kept short: one round trip for the input row, the fused operation once per CTA into shared
+// memory, and warps that own whole rows of W, so that lane 0 writes each output.
 //
 // Each CTA owns rows_per_cta consecutive rows of W (contiguous [N, K]). The fused operation in front of the
 // product, rounded where the torch twins round:
