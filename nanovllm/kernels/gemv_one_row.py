@@ -8,18 +8,20 @@ import torch
 
 from nanovllm.kernels import cuda_library, pdl
 
-# a CTA's shared memory at most: its slice of W plus the staged input row (at most 34 KB for Qwen3-0.6B's layers,
-# three CTAs a SM each), so that a GEMV's CTAs fill at most a third of the SM's 228 KB. Weights past it (Llama-3-8B's)
-# take the Triton GEMV.
+# a CTA's shared memory at most: its slice of W plus the staged input row (at most 50 KB for Qwen3-0.6B's layers:
+# gate_up's, two CTAs a SM), so that a GEMV's CTAs leave room on the SM for the kernels beside them. Weights past it
+# (Llama-3-8B's) take the Triton GEMV.
 SMEM_LIMIT = 74 * 1024
 # add_norm_silu: add_norm in front, and behind, silu(gate) * up of a stacked [gate; up] weight (N / 2 outputs)
 MODES = {"plain": 0, "add_norm": 1, "silu_mul": 2, "add_norm_silu": 3}
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
-# CTAs of one GEMV per SM. bs=1 decode of Qwen3-0.6B on the H100, the weight streamed a chunk at a time: 1,415-1,420
-# tok/s with 2, 1,448-1,451 with 3, 1,435-1,437 with 4. With 3, the qkv and gate_up GEMVs' weights had landed
-# sooner (their last chunk ~1.6 / 1.4 us after staging the input instead of ~2.1 / 1.9; scripts/kernel_phases.py):
-# smaller CTAs, each with a chunk in flight, and a finer fit beside the two kernels around them on the SM.
+# CTAs of one GEMV per SM: CTAS_PER_SM, and MLP_CTAS_PER_SM for the MLP's two (a stacked [gate; up] weight, or rows
+# longer than 2048, as down_proj's of Qwen3-0.6B: fewer copies of its 6 KB input row staged a SM). bs=1 decode of
+# Qwen3-0.6B on the H100, the weight streamed a chunk at a time, (qkv, o, gate_up, down): 3, 3, 3, 3: 1,438-1,449
+# tok/s; 3, 3, 2, 2: 1,465-1,466; 3, 3, 2, 3: 1,453-1,454; 3, 3, 3, 2: 1,425-1,431; 2, 3, 2, 2: 1,459; 4, 3, 2, 2:
+# 1,454; 3, 2, 2, 2: 1,394; 3, 3, 1, 2: 1,348 (all at 2: 1,415-1,420, all at 4: 1,435-1,437).
 CTAS_PER_SM = 3
+MLP_CTAS_PER_SM = 2
 MAX_K = 4096  # kMaxK of the .cu: each thread holds its share of the staged input row in registers
 
 def why_off(device: torch.device) -> str | None:
@@ -36,10 +38,14 @@ def _library() -> ctypes.CDLL:
     return cuda_library.library("gemv_one_row")
 
 
+def ctas_per_sm(weight: torch.Tensor, parts: int = 1) -> int:
+    return MLP_CTAS_PER_SM if parts == 2 or weight.shape[1] > 2048 else CTAS_PER_SM
+
+
 def rows_per_cta(weight: torch.Tensor, parts: int = 1) -> int:
-    """Outputs each CTA owns (CTAS_PER_SM CTAs per SM): rows of W, or of each of its `parts` stacked halves."""
+    """Outputs each CTA owns (ctas_per_sm CTAs per SM): rows of W, or of each of its `parts` stacked halves."""
     sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
-    return -(-weight.shape[0] // parts // (sms * CTAS_PER_SM))
+    return -(-weight.shape[0] // parts // (sms * ctas_per_sm(weight, parts)))
 
 
 def smem_bytes(weight: torch.Tensor, parts: int = 1) -> int:
