@@ -451,25 +451,37 @@ def test_gemv_rows_setting_rejects_bad_values(value):
 
 @pytest.mark.parametrize("rows,num_rows", [(1, 1), (16, 5), (16, 0), (200, 131)])
 def test_decode_inputs_match_reference(rows, num_rows):
-    """A decode graph's first kernel (slots, context lengths, padding rows reset) and a sampling graph's last (tokens
-    become input ids, positions and steps + 1, padding rows untouched) against their torch references."""
+    """A decode graph's first kernel (slots, context lengths, padding rows reset, the step counted and its token ring
+    row picked) and a sampling graph's last (tokens become input ids and go to that ring row, positions and steps
+    + 1, padding rows untouched) against their torch references, over two steps of a 2-row ring."""
     g = torch.Generator().manual_seed(rows)
-    block_size, width, scratch = 16, 8, 999
+    block_size, width, scratch, ring_rows = 16, 8, 999, 2
     state = dict(positions=torch.randint(0, block_size * width, (rows,), generator=g),
                  seq_lens=torch.randint(0, 9, (rows,), generator=g).int(),
                  slot_mapping=torch.randint(0, 9, (rows,), generator=g),
-                 block_tables=torch.randint(0, 500, (rows, width), generator=g).int())
+                 block_tables=torch.randint(0, 500, (rows, width), generator=g).int(),
+                 ring_state=torch.tensor([5, 0], dtype=torch.int32))
+    ring_ref = torch.full((ring_rows, rows + 3), -1)
+    ring_got = ring_ref.clone().pin_memory() if DEVICE == "cuda" else ring_ref.clone()  # as the graphs' ring
     ref = {k: v.clone() for k, v in state.items()}
     got = {k: v.to(DEVICE) for k, v in state.items()}
-    decode_inputs.prepare_decode_inputs(**got, num_rows=torch.tensor([num_rows], dtype=torch.int32, device=DEVICE),
-                          scratch_block=scratch, block_size=block_size)
-    decode_inputs.prepare_decode_inputs_reference(**ref, num_rows=num_rows, scratch_block=scratch, block_size=block_size)
-    for key in state:
-        assert torch.equal(got[key].cpu(), ref[key]), key
-    tokens = torch.randint(0, 1000, (rows,), generator=g)
-    ids, steps = torch.randint(0, 1000, (rows,), generator=g), torch.randint(0, 1000, (rows,), generator=g)
-    moved = [t.clone().to(DEVICE) for t in (tokens, ids, ref["positions"], steps)]
-    decode_inputs.advance_decode_inputs(*moved, num_rows=torch.tensor([num_rows], dtype=torch.int32, device=DEVICE))
-    expected = [t.clone() for t in (tokens, ids, ref["positions"], steps)]
-    decode_inputs.advance_decode_inputs_reference(*expected, num_rows=num_rows)
-    assert all(torch.equal(a.cpu(), b) for a, b in zip(moved, expected))
+    for step in range(2):
+        decode_inputs.prepare_decode_inputs(**got, num_rows=torch.tensor([num_rows], dtype=torch.int32, device=DEVICE),
+                                            scratch_block=scratch, block_size=block_size, ring_rows=ring_rows)
+        decode_inputs.prepare_decode_inputs_reference(**ref, num_rows=num_rows, scratch_block=scratch,
+                                                      block_size=block_size, ring_rows=ring_rows)
+        for key in state:
+            assert torch.equal(got[key].cpu(), ref[key]), key
+        tokens = torch.randint(0, 1000, (rows,), generator=g)
+        ids, steps = torch.randint(0, 1000, (rows,), generator=g), torch.randint(0, 1000, (rows,), generator=g)
+        moved = [t.clone().to(DEVICE) for t in (tokens, ids, ref["positions"], steps)]
+        decode_inputs.advance_decode_inputs(*moved, num_rows=torch.tensor([num_rows], dtype=torch.int32, device=DEVICE),
+                                            ring=ring_got, ring_state=got["ring_state"])
+        expected = [t.clone() for t in (tokens, ids, ref["positions"], steps)]
+        decode_inputs.advance_decode_inputs_reference(*expected, num_rows=num_rows, ring=ring_ref,
+                                                      ring_state=ref["ring_state"])
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(moved, expected))
+        assert torch.equal(ring_got, ring_ref)
+    assert ref["ring_state"].tolist() == [7, 0] and (ring_ref[:, :num_rows] >= 0).all()

@@ -14,6 +14,9 @@ from nanovllm.kernels.paged_attention import prefill_tile_tokens
 from nanovllm.kernels.sampling import gumbel_argmax
 
 
+TOKEN_RING_ROWS = 4  # > the steps in flight: the host reads a step's row before the step after the next is launched
+
+
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """The captured batch-size buckets: powers of two to 8, then every multiple of 16, then max_batch."""
     return sorted({b for b in (1, 2, 4, 8, *range(16, max_batch + 1, 16)) if b <= max_batch} | {max_batch})
@@ -95,6 +98,10 @@ class CUDAGraphRunner:
         self.seeds = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.steps = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        # the sampled tokens of the last TOKEN_RING_ROWS steps, written there by the advance kernel for the host
+        self.token_ring = torch.zeros(TOKEN_RING_ROWS, max_batch, dtype=torch.int64, pin_memory=True)
+        self.ring_state = torch.zeros(2, dtype=torch.int32, device=device)  # steps counted, this step's ring row
+        self.replays = 0  # step graphs replayed since capture: the host's count of ring_state[0]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -108,7 +115,7 @@ class CUDAGraphRunner:
     def _step(self, bs: int):
         buf = self.buffers
         prepare_decode_inputs(buf.positions[:bs], buf.seq_lens[:bs], buf.slot_mapping[:bs], buf.block_tables[:bs],
-                              self.num_rows, buf.scratch_block, self.block_size)
+                              self.num_rows, buf.scratch_block, self.block_size, self.ring_state, TOKEN_RING_ROWS)
         hidden = self.model(buf.input_ids[:bs], buf.positions[:bs], self._meta(bs))
         self.model.compute_logits(hidden, out=self.logits[:bs])
 
@@ -120,7 +127,10 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture(self, pool=None):
         pool = _capture(self.graphs, self.batch_sizes, self._step, pool)
-        return _capture(self.sample_graphs, self.batch_sizes, self._sample_step, pool)
+        pool = _capture(self.sample_graphs, self.batch_sizes, self._sample_step, pool)
+        self.ring_state.zero_()  # the warm-up steps counted
+        torch.cuda.synchronize()
+        return pool
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.batch_sizes[-1]
@@ -141,7 +151,13 @@ class CUDAGraphRunner:
         """The step graph on the buffers as they are (filled by run(), or moved on by a sampling graph or advance()):
         the logits of the batch's n rows."""
         self.graphs[self._bucket(n)].replay()
+        self.replays += 1
         return self.logits[:n]
+
+    def ring_tokens(self, n: int) -> torch.Tensor:
+        """Where the host finds the n tokens of the last step replayed, once its sampling (graph or advance()) has
+        run on the device: a view of pinned memory, valid for TOKEN_RING_ROWS - 1 more steps."""
+        return self.token_ring[(self.replays - 1) % TOKEN_RING_ROWS, :n]
 
     def sample(self, temperature: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
         """After run(): draw the batch's tokens from its logits and make them its next inputs; [n] int64."""
@@ -159,7 +175,8 @@ class CUDAGraphRunner:
     def advance(self, tokens: torch.Tensor, steps: torch.Tensor):
         """After run() and a sampler outside the graphs: tokens become the next inputs, steps + 1 (in place)."""
         advance_decode_inputs(tokens, self.buffers.input_ids[:tokens.shape[0]],
-                              self.buffers.positions[:tokens.shape[0]], steps, self.num_rows)
+                              self.buffers.positions[:tokens.shape[0]], steps, self.num_rows, self.token_ring,
+                              self.ring_state)
 
     def run_steady(self, n: int) -> torch.Tensor:
         """The next step of the batch that the last sample() left in the buffers: its tokens."""

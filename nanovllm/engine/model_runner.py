@@ -479,7 +479,7 @@ class ModelRunner:
                 self.steady = SteadyDecode(seqs, [len(s.block_table) for s in seqs], sum(meta.seq_lens_cpu),
                                            None if tensors.temperature_only else tensors)
             handle.max_logprobs = tensors.max_logprobs
-            self._read_back(handle)
+            self._read_back(handle, from_ring=steady)
         return handle
 
     def _launch_steady(self) -> StepHandle:
@@ -500,18 +500,22 @@ class ModelRunner:
         else:
             handle.tokens, _ = self.sampler(self.graphs.replay(len(seqs)), steady.sampling)
             self.graphs.advance(handle.tokens, steady.sampling.steps)
-        self._read_back(handle)
+        self._read_back(handle, from_ring=True)
         return handle
 
-    def _read_back(self, handle: StepHandle):
-        """Start copying the handle's tokens to the host."""
-        if self.device.type == "cuda":  # the copy lands while the host prepares the next step
+    def _read_back(self, handle: StepHandle, from_ring: bool = False):
+        """Start copying the handle's tokens to the host; from_ring: the decode graphs' advance kernel writes them
+        to the host itself (CUDAGraphRunner.ring_tokens)."""
+        if self.device.type != "cuda":
+            handle.tokens_host = handle.tokens
+            return
+        if from_ring:
+            handle.tokens_host = self.graphs.ring_tokens(handle.tokens.shape[0])
+        else:  # the copy lands while the host prepares the next step
             handle.tokens_host = torch.empty(handle.tokens.shape, dtype=handle.tokens.dtype, pin_memory=True)
             handle.tokens_host.copy_(handle.tokens, non_blocking=True)
-            handle.ready = torch.cuda.Event()
-            handle.ready.record()
-        else:
-            handle.tokens_host = handle.tokens
+        handle.ready = torch.cuda.Event()
+        handle.ready.record()
 
     def _compute_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Logits of hidden's `rows`; on CUDA the LM head runs on a warmed-up bucket of rows (repeats of the

@@ -4,7 +4,12 @@ The state of a row is its next input token and that token's position; its block 
 `prepare_decode_inputs`, the first kernel of a decode graph, derives each row's KV slot and context length from
 them; `advance_decode_inputs`, the last kernel of a sampling graph, makes the sampled tokens the next input ids
 and moves positions and sampling steps on by one. Rows at or past num_rows (a device scalar) are the bucket's
-padding: position 0 in the scratch block. References: the *_reference functions below."""
+padding: position 0 in the scratch block.
+With a token ring (pinned host memory, [ring rows, max rows]), the advance kernel also writes the tokens into the
+ring row that the prepare kernel of the same step picked (step count modulo ring rows, counted on the device in
+ring_state = [steps, this step's row]): the host reads them there, with no copy of its own to wait for (on the H100
+a bs=1 step's device-to-host copy and the gaps around it took ~8 us of a ~690 us step).
+References: the *_reference functions below."""
 import torch
 import triton
 import triton.language as tl
@@ -16,8 +21,13 @@ ROWS_PER_PROGRAM = 128
 
 @triton.jit(do_not_specialize=["rows", "scratch_block"])
 def _prepare_kernel(positions_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, table_stride, num_rows_ptr, rows,
-                    scratch_block, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                    scratch_block, ring_state_ptr, RING_ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
+    if RING_ROWS > 0 and tl.program_id(0) == 0:
+        count = tl.load(ring_state_ptr)
+        tl.store(ring_state_ptr + 1, count % RING_ROWS)
+        tl.store(ring_state_ptr, count + 1)
     row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_bucket = row < rows
     real = row < tl.load(num_rows_ptr)
@@ -31,37 +41,52 @@ def _prepare_kernel(positions_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, tab
 
 
 @triton.jit(do_not_specialize=["rows"])
-def _advance_kernel(tokens_ptr, input_ids_ptr, positions_ptr, steps_ptr, num_rows_ptr, rows, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr):
+def _advance_kernel(tokens_ptr, input_ids_ptr, positions_ptr, steps_ptr, num_rows_ptr, rows, ring_ptr, ring_stride,
+                    ring_state_ptr, RING: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
     row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     real = (row < rows) & (row < tl.load(num_rows_ptr))
-    tl.store(input_ids_ptr + row, tl.load(tokens_ptr + row, mask=real), mask=real)
+    tokens = tl.load(tokens_ptr + row, mask=real)
+    tl.store(input_ids_ptr + row, tokens, mask=real)
+    if RING:
+        tl.store(ring_ptr + tl.load(ring_state_ptr + 1) * ring_stride + row, tokens, mask=real)
     tl.store(positions_ptr + row, tl.load(positions_ptr + row, mask=real) + 1, mask=real)
     tl.store(steps_ptr + row, tl.load(steps_ptr + row, mask=real) + 1, mask=real)
 
 
 def prepare_decode_inputs(positions: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
-                          block_tables: torch.Tensor, num_rows: torch.Tensor, scratch_block: int, block_size: int):
+                          block_tables: torch.Tensor, num_rows: torch.Tensor, scratch_block: int, block_size: int,
+                          ring_state: torch.Tensor | None = None, ring_rows: int = 0):
     """In place, for the rows of a bucket ([R] int64 positions and slots, [R] int32 seq_lens, [R, W] int32 block
-    tables, num_rows a [1] int32): slots and context lengths from positions; padding rows reset."""
+    tables, num_rows a [1] int32): slots and context lengths from positions; padding rows reset. With ring_state
+    ([2] int32) and ring_rows: this step's ring row, and the step counted."""
     rows = positions.shape[0]
     assert block_tables.stride(1) == 1
     _prepare_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
         positions, seq_lens, slot_mapping, block_tables, block_tables.stride(0), num_rows, rows, scratch_block,
-        BLOCK_SIZE=block_size, BLOCK=ROWS_PER_PROGRAM, **pdl_launch(positions.device))
+        ring_state if ring_rows else num_rows, RING_ROWS=ring_rows, BLOCK_SIZE=block_size, BLOCK=ROWS_PER_PROGRAM,
+        **pdl_launch(positions.device))
 
 
 def advance_decode_inputs(tokens: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                          steps: torch.Tensor, num_rows: torch.Tensor):
-    """In place, for the first num_rows rows: the sampled tokens become the input ids, positions and steps + 1."""
+                          steps: torch.Tensor, num_rows: torch.Tensor, ring: torch.Tensor | None = None,
+                          ring_state: torch.Tensor | None = None):
+    """In place, for the first num_rows rows: the sampled tokens become the input ids, positions and steps + 1;
+    with ring ([ring rows, >= R] int64, pinned host memory on CUDA) and ring_state, also ring[ring_state[1]]."""
     rows = tokens.shape[0]
-    _advance_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](tokens, input_ids, positions, steps, num_rows, rows,
-                                                            BLOCK=ROWS_PER_PROGRAM, **pdl_launch(tokens.device))
+    has_ring = ring is not None
+    assert not has_ring or (ring.stride(1) == 1 and ring.dtype == tokens.dtype and ring.shape[1] >= rows)
+    _advance_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
+        tokens, input_ids, positions, steps, num_rows, rows, ring if has_ring else tokens,
+        ring.stride(0) if has_ring else 0, ring_state if has_ring else num_rows, RING=has_ring,
+        BLOCK=ROWS_PER_PROGRAM, **pdl_launch(tokens.device))
 
 
 def prepare_decode_inputs_reference(positions, seq_lens, slot_mapping, block_tables, num_rows: int,
-                                    scratch_block: int, block_size: int):
+                                    scratch_block: int, block_size: int, ring_state=None, ring_rows: int = 0):
+    if ring_rows:
+        ring_state[1] = ring_state[0] % ring_rows
+        ring_state[0] += 1
     positions[num_rows:] = 0
     block_tables[num_rows:, 0] = scratch_block
     blocks = block_tables.gather(1, (positions // block_size)[:, None])[:, 0].long()
@@ -69,7 +94,9 @@ def prepare_decode_inputs_reference(positions, seq_lens, slot_mapping, block_tab
     seq_lens.copy_(positions + 1)
 
 
-def advance_decode_inputs_reference(tokens, input_ids, positions, steps, num_rows: int):
+def advance_decode_inputs_reference(tokens, input_ids, positions, steps, num_rows: int, ring=None, ring_state=None):
+    if ring is not None:
+        ring[ring_state[1], :num_rows] = tokens[:num_rows]
     input_ids[:num_rows] = tokens[:num_rows]
     positions[:num_rows] += 1
     steps[:num_rows] += 1
