@@ -36,8 +36,10 @@ constexpr int kWarps = kThreads / 32;
 // qkv -> attention 1.7-2.2 us, 0.5 now). bs=1 decode of Qwen3-0.6B on the H100, two CTAs a SM (window of chunks in
 // flight / chunks): 1 / 3 1,415-1,419 tok/s, 1 / 4 1,403-1,409, 1 / 2 1,400-1,403, 1 / 6 1,387-1,391, 1 / 8
 // 1,373-1,376, 2 / 4 1,368-1,370, 2 / 8 1,369-1,372; all at once by thread 0 (the kernel before, with gate_up's
-// copies held 4 us) 1,369-1,371, all at once by the producer warp (gate_up held) 1,251-1,262.
-constexpr int kChunks = 3;
+// copies held 4 us) 1,369-1,371, all at once by the producer warp (gate_up held) 1,251-1,262. With the MLP's GEMVs
+// at two CTAs a SM and the others at three (kernels/gemv_one_row.py): 1 / 4 1,468-1,469 and 1,494-1,495, 1 / 3
+// 1,458-1,462 and 1,488-1,489 (two calls), 1 / 2 1,438.
+constexpr int kChunks = 4;
 constexpr int kBlock = kThreads + 32;  // the compute warps, then the producer warp
 constexpr int kMaxK = 4096;
 
