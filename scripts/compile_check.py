@@ -119,6 +119,10 @@ def launch_everything():
     positions, num_rows = torch.zeros(8, dtype=torch.int64), torch.ones(1, dtype=torch.int32)
     prepare_decode_inputs(positions, lens, positions.clone(), tables, num_rows, 64, 16)
     advance_decode_inputs(positions, positions.clone(), positions.clone(), positions.clone(), num_rows)
+    ring_state = torch.zeros(2, dtype=torch.int32)  # with the token ring of the decode graphs
+    prepare_decode_inputs(positions, lens, positions.clone(), tables, num_rows, 64, 16, ring_state, 4)
+    advance_decode_inputs(positions, positions.clone(), positions.clone(), positions.clone(), num_rows,
+                          torch.zeros(4, 8, dtype=torch.int64), ring_state)
     q = torch.randn(8, 16, 128, **bf16)
     for splits in (1, 4, 16):
         paged_decode(q, k_cache, v_cache, tables, lens, 0.088, splits)

@@ -13,7 +13,6 @@ from nanovllm.kernels.decode_inputs import advance_decode_inputs, prepare_decode
 from nanovllm.kernels.paged_attention import prefill_tile_tokens
 from nanovllm.kernels.sampling import gumbel_argmax
 
-
 TOKEN_RING_ROWS = 4  # > the steps in flight: the host reads a step's row before the step after the next is launched
 
 
