@@ -72,8 +72,10 @@ def test_preemption_gives_identical_outputs(tiny_model_dir):
     path = tiny_model_dir("tiny-llama")
     prompts = _token_prompts(12, seed=2)
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=60, ignore_eos=True)
-    big = LLM(path, max_model_len=128, num_gpu_blocks_override=1000)
-    small = LLM(path, max_model_len=128, num_gpu_blocks_override=12)  # 192 tokens for 12 sequences
+    # on CPU everywhere: identical tokens across batch compositions need kernels whose rounding does not depend on
+    # the batch, which the CPU path's are and the GPU's are not (they pick their tiles by batch size)
+    big = LLM(path, max_model_len=128, num_gpu_blocks_override=1000, device="cpu")
+    small = LLM(path, max_model_len=128, num_gpu_blocks_override=12, device="cpu")  # 192 tokens for 12 sequences
     expected = _tokens(big.generate(prompts, params, use_tqdm=False))
     small.llm_engine.model_runner.kv_cache.fill_(float("nan"))  # unwritten slots must never be read
     assert _tokens(small.generate(prompts, params, use_tqdm=False)) == expected
@@ -148,7 +150,8 @@ def test_async_scheduling_changes_nothing(tiny_model_dir):
     results = {}
     for async_scheduling in (False, True):
         for blocks in (1000, 14):
-            llm = LLM(path, max_model_len=128, num_gpu_blocks_override=blocks, async_scheduling=async_scheduling)
+            llm = LLM(path, max_model_len=128, num_gpu_blocks_override=blocks, async_scheduling=async_scheduling,
+                      device="cpu")  # batch-invariant rounding: see test_preemption_gives_identical_outputs
             outs = llm.generate(prompts, params, use_tqdm=False)
             results[async_scheduling, blocks] = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
                                                    c.cumulative_logprob) for c in o.outputs] for o in outs]
@@ -187,7 +190,7 @@ def test_async_scheduling_pipelines_prompt_chunks(tiny_model_dir):
     results = {}
     for async_scheduling in (False, True):
         llm = LLM(path, max_model_len=512, kv_cache_memory_bytes=32 << 20, max_num_batched_tokens=64,
-                  max_num_seqs=4, async_scheduling=async_scheduling)
+                  max_num_seqs=4, async_scheduling=async_scheduling, device="cpu")  # batch-invariant rounding (above)
         mixed_ahead = []
         _record_launches(llm.llm_engine.model_runner, lambda seqs, ahead: mixed_ahead.append(
             ahead is not None and any(s.num_scheduled_tokens > 1 for s in seqs)))
