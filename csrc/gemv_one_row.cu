@@ -41,6 +41,19 @@ constexpr int kWarps = kThreads / 32;
 // 1,458-1,462 and 1,488-1,489 (two calls), 1 / 2 1,438.
 constexpr int kChunks = 4;
 constexpr int kBlock = kThreads + 32;  // the compute warps, then the producer warp
+
+// Whether this GEMV lets the next kernel launch only after its own PDL wait (late) rather than at its start. The
+// hardware places a launched kernel's CTAs wherever room appears, so a kernel launched early, while the SMs hold
+// the layer's earlier kernels unevenly, piles up on the SMs that empty first: in a bs=1 Qwen3-0.6B step on the
+// H100 (scripts/kernel_phases.py's stamps, 3 CTAs a SM intended) qkv's CTAs sat 1 to 9 to a SM, o's 1 to 8, down's
+// 1 to 7, and a kernel's last CTA, which the next kernel waits for, was always on a crowded SM (a CTA's mean end
+// after the wait grew ~300 ns for each CTA of its kernel beside it). Launched after the wait of the MLP's two
+// GEMVs, down and the next layer's qkv find SMs holding one kernel's CTAs, evenly placed: decode 1,558-1,562 tok/s
+// vs 1,491-1,492; late in gate_up alone or down alone: no change; in o or qkv (the ones whose next kernels stream
+// the most while they wait): -8 to -10%. The MLP's GEMVs are those of kernels/gemv_one_row.py's ctas_per_sm: a
+// stacked [gate; up] weight, or rows longer than 2048 (SHARE >= 3).
+template <bool SILU_OUT, int SHARE>
+constexpr bool kLaunchNextLate = SILU_OUT || SHARE >= 3;
 constexpr int kMaxK = 4096;
 
 enum Mode { MODE_PLAIN = 0, MODE_ADD_NORM = 1, MODE_SILU_MUL = 2, MODE_ADD_NORM_SILU_OUT = 3 };
@@ -153,7 +166,7 @@ __global__ void __launch_bounds__(kBlock) gemv_one_row_kernel(
   }
   __syncthreads();  // the barriers are initialized before any thread waits on them
   if (threadIdx.x >= kThreads) {  // the producer warp: its lane 0 streams W while the compute warps wait
-    launch_dependents();
+    if constexpr (!kLaunchNextLate<SILU_OUT, SHARE>) launch_dependents();
     if (threadIdx.x == kThreads) {
       stream_weight(ws, w + static_cast<size_t>(row0) * K,
                     SILU_OUT ? w + static_cast<size_t>(outputs + row0) * K : nullptr, rows_per_cta, rows, chunks, K,
@@ -163,7 +176,12 @@ __global__ void __launch_bounds__(kBlock) gemv_one_row_kernel(
   }
   Pack<T> scale[SHARE];  // the norm's weight: read before the wait, like W
   if constexpr (MODE == MODE_ADD_NORM) load_share<T, false, SHARE>(scale, norm_w, K);
-  release_then_wait();  // the input row is the kernel before's output
+  if constexpr (kLaunchNextLate<SILU_OUT, SHARE>) {
+    wait_for_prior_kernel();  // the input row is the kernel before's output
+    launch_dependents();
+  } else {
+    release_then_wait();
+  }
   stage_input<T, MODE, SHARE>(xs, warp_squares, scale, x, residual, blockIdx.x == 0 ? res_out : nullptr, K, eps);
   int ready = 0;  // chunks this warp has waited for
   for (int r = threadIdx.x / 32; r < rows; r += kWarps) {

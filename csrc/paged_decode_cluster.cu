@@ -163,7 +163,6 @@ __global__ void __launch_bounds__(kThreads) paged_decode_cluster_kernel(const Pa
   const bool q_norm = p.q_norm_w != nullptr, k_norm = p.k_norm_w != nullptr;
 
   // Before the wait: nothing here reads what the kernel before writes.
-  launch_dependents();  // now: the next kernel's CTAs start their own loads beside this one's
   if (threadIdx.x == 0) {
     barrier_init(&sh.inbox_full, 1);
     barriers_initialized();
@@ -189,6 +188,10 @@ __global__ void __launch_bounds__(kThreads) paged_decode_cluster_kernel(const Pa
   wait_copies();
   __syncthreads();
   wait_for_prior_kernel();  // q, k and v of this step are its output
+  // The next kernel (the o GEMV) launches only now, not at this kernel's start: launched early, its CTAs piled
+  // onto the SMs that emptied first (1 to 9 a SM where 3 were meant), and its last CTA, on a crowded SM, held the
+  // layer (csrc/gemv_one_row.cu, kLaunchNextLate): bs=1 Qwen3-0.6B decode on the H100 1,580-1,582 tok/s vs 1,559-1,560.
+  launch_dependents();
 
   // q and the step's k normed and rotated, a warp a head row (kRopeLanes lanes, 2 + 2 dims each), into shared
   // memory with the step's v; k and v also into the caches

@@ -32,7 +32,8 @@ def aliased(self):
 
 
 mr.ModelRunner._load_model = aliased
-args = argparse.Namespace(mode="decode1", device="cuda", attention_backend=None, enforce_eager=False, model="qwen3-0.6b")
+args = argparse.Namespace(mode="decode1", device="cuda", attention_backend=None, enforce_eager=False, model="qwen3-0.6b",
+                          repeat=3)
 model = bench.resolve_model("qwen3-0.6b", torch.bfloat16)
 print("mode", mode, "layers", keep or "all")
 bench.bench_decode1(args, model, torch.bfloat16)

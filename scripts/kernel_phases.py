@@ -40,7 +40,8 @@ GEMV, ATTENTION = 1, 2
 # (anchor in the source, stamp code, after the anchor?)
 GEMV_STAMPS = [
     ("  const int rows = min(rows_per_cta, outputs - row0);\n", "  REC_INIT(1, w) STAMP(0)\n", True),
-    ("  release_then_wait();  // the input row is the kernel before's output\n", "  STAMP(1)\n", True),
+    ("  stage_input<T, MODE, SHARE>(xs, warp_squares, scale, x, residual, blockIdx.x == 0 ? res_out : nullptr, K, eps);\n",
+     "  STAMP(1)\n", False),
     ("  stage_input<T, MODE, SHARE>(xs, warp_squares, scale, x, residual, blockIdx.x == 0 ? res_out : nullptr, K, eps);\n",
      "  STAMP(2)\n", True),
     ("    while (rows * ready / chunks <= r) barrier_wait(&arrived[ready++], 0);\n", "    STAMP(3)\n", True),
@@ -48,8 +49,8 @@ GEMV_STAMPS = [
 ]
 GEMV_PHASES = ["start -> wait returned", "stage input", "until warp 0's last chunk", "rest of dots + store"]
 ATTENTION_STAMPS = [
-    ("  launch_dependents();  // now: the next kernel's CTAs start their own loads beside this one's\n",
-     "  REC_INIT(2, p.k_cache) STAMP(0)\n", False),
+    ("  // Before the wait: nothing here reads what the kernel before writes.\n",
+     "  REC_INIT(2, p.k_cache) STAMP(0)\n", True),
     ("  wait_for_prior_kernel();  // q, k and v of this step are its output\n", "  STAMP(1)\n", False),
     ("  wait_for_prior_kernel();  // q, k and v of this step are its output\n", "  STAMP(2)\n", True),
     ("  float m_run[GROUP], l_run[GROUP], acc[GROUP][L::kPvDims];\n", "  STAMP(3)\n", False),

@@ -20,6 +20,7 @@ _DTYPES = {torch.bfloat16: 0, torch.float16: 1}
 # Qwen3-0.6B on the H100, the weight streamed a chunk at a time, (qkv, o, gate_up, down): 3, 3, 3, 3: 1,438-1,449
 # tok/s; 3, 3, 2, 2: 1,465-1,466; 3, 3, 2, 3: 1,453-1,454; 3, 3, 3, 2: 1,425-1,431; 2, 3, 2, 2: 1,459; 4, 3, 2, 2:
 # 1,454; 3, 2, 2, 2: 1,394; 3, 3, 1, 2: 1,348 (all at 2: 1,415-1,420, all at 4: 1,435-1,437).
+# The same two GEMVs let the next kernel launch only after their PDL wait (kLaunchNextLate in the .cu).
 CTAS_PER_SM = 3
 MLP_CTAS_PER_SM = 2
 MAX_K = 4096  # kMaxK of the .cu: each thread holds its share of the staged input row in registers
