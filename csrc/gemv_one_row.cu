@@ -38,7 +38,10 @@ constexpr int kWarps = kThreads / 32;
 // 1,373-1,376, 2 / 4 1,368-1,370, 2 / 8 1,369-1,372; all at once by thread 0 (the kernel before, with gate_up's
 // copies held 4 us) 1,369-1,371, all at once by the producer warp (gate_up held) 1,251-1,262. With the MLP's GEMVs
 // at two CTAs a SM and the others at three (kernels/gemv_one_row.py): 1 / 4 1,468-1,469 and 1,494-1,495, 1 / 3
-// 1,458-1,462 and 1,488-1,489 (two calls), 1 / 2 1,438.
+// 1,458-1,462 and 1,488-1,489 (two calls), 1 / 2 1,438. With the late launches below, the qkv GEMV (add_norm
+// without SiLU behind; its CTAs now start ~1 us before their wait) in 3 chunks: 1,589 / 1,589 vs 1,575 / 1,580 in 4
+// (1,593 vs 1,586 in another call),
+// 1,564-1,567 in 2, 1,533-1,536 in 6.
 constexpr int kChunks = 4;
 constexpr int kBlock = kThreads + 32;  // the compute warps, then the producer warp
 
@@ -57,6 +60,9 @@ constexpr bool kLaunchNextLate = SILU_OUT || SHARE >= 3;
 constexpr int kMaxK = 4096;
 
 enum Mode { MODE_PLAIN = 0, MODE_ADD_NORM = 1, MODE_SILU_MUL = 2, MODE_ADD_NORM_SILU_OUT = 3 };
+
+template <int MODE, bool SILU_OUT>
+constexpr int kChunksOf = MODE == MODE_ADD_NORM && !SILU_OUT ? 3 : kChunks;  // qkv_proj's: 3 (see kChunks)
 
 // The producer thread's bulk copies of the CTA's slice of W, chunk c (of `chunks`) completing arrived[c], each
 // issued once the one before has landed. With `second` (the up half of a stacked [gate; up] weight), the same rows
@@ -159,7 +165,7 @@ __global__ void __launch_bounds__(kBlock) gemv_one_row_kernel(
   T* xs = ws + static_cast<size_t>(kParts) * rows_per_cta * K;
   const int row0 = blockIdx.x * rows_per_cta;
   const int rows = min(rows_per_cta, outputs - row0);
-  const int chunks = min(rows, kChunks);
+  const int chunks = min(rows, kChunksOf<MODE, SILU_OUT>);
   if (threadIdx.x == kThreads) {
     for (int c = 0; c < chunks; ++c) barrier_init(&arrived[c], 1);
     barriers_initialized();
