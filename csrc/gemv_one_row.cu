@@ -40,8 +40,7 @@ constexpr int kWarps = kThreads / 32;
 // at two CTAs a SM and the others at three (kernels/gemv_one_row.py): 1 / 4 1,468-1,469 and 1,494-1,495, 1 / 3
 // 1,458-1,462 and 1,488-1,489 (two calls), 1 / 2 1,438. With the late launches below, the qkv GEMV (add_norm
 // without SiLU behind; its CTAs now start ~1 us before their wait) in 3 chunks: 1,589 / 1,589 vs 1,575 / 1,580 in 4
-// (1,593 vs 1,586 in another call),
-// 1,564-1,567 in 2, 1,533-1,536 in 6.
+// (1,593 vs 1,586 in another call), 1,564-1,567 in 2, 1,533-1,536 in 6.
 constexpr int kChunks = 4;
 constexpr int kBlock = kThreads + 32;  // the compute warps, then the producer warp
 
