@@ -2,7 +2,8 @@
 csrc/gemv_one_row.cu and csrc/paged_decode_cluster.cu with globaltimer and clock64 stamps (thread 0 of every CTA)
 and swaps them in, then reports mean ns and SM cycles per phase after each kernel's PDL wait for
   1. one decode step of the engine (Qwen3-0.6B shape, prompt 512, CUDA graph), per GEMV kind, the skew within
-     the attention's clusters, and a layer's timeline: when each kernel's CTAs start, return from the wait and end;
+     the attention's clusters, a layer's timeline (when each kernel's CTAs start, return from the wait and end), and
+     how evenly each kernel's CTAs sat on the SMs;
   2. 28 attention launches alone in a graph;
   3. 28 x (qkv GEMV -> attention -> o GEMV) in a graph.
 usage: python scripts/kernel_phases.py (Hopper GPU, nvcc). Stamps cost a few hundred ns a kernel."""
@@ -11,6 +12,7 @@ import random
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -146,6 +148,7 @@ def engine_step(libraries):
         report([r for r in records if r[0] == GEMV and owners.get(r[1], (0, None))[1] == kind], GEMV,
                f"engine decode step, {kind}")
     timeline(records, owners, len(llm.llm_engine.model_runner.model.model.layers))
+    crowding(records, owners, len(llm.llm_engine.model_runner.model.model.layers))
     clusters = {}
     for r in records:
         if r[0] == ATTENTION:
@@ -201,6 +204,26 @@ def timeline(records, owners: dict, num_layers: int):
     print("| kernel | " + " | ".join(columns) + " |\n" + "|---" * (len(columns) + 1) + "|")
     for kind in KERNELS:
         print(f"| {kind} | " + " | ".join(f"{v / len(layers):,.0f}" for v in sums[kind]) + " |")
+
+
+def crowding(records, owners: dict, num_layers: int):
+    """How evenly each kernel's CTAs sat on the SMs (the hardware places them where room appears), and what that cost:
+    over the middle layers, how many SMs held 1, 2, ... of a kernel's CTAs, and the mean CTA end (ns after the
+    kernel's first wait return) by how many of its kernel's CTAs shared the SM. The last CTA holds the next kernel."""
+    for kind in KERNELS:
+        held, ends = Counter(), {}
+        for layer in range(1, num_layers - 1):
+            rows = [r for r in records if owners.get(r[1]) == (layer, kind)]
+            if not rows:
+                return
+            _, wait, end = MOMENTS[rows[0][0]]
+            per_sm = Counter(r[3] for r in rows)
+            held.update(per_sm.values())
+            origin = min(r[4 + wait] for r in rows)
+            for r in rows:
+                ends.setdefault(per_sm[r[3]], []).append(r[4 + end] - origin)
+        print(f"  {kind}: SMs holding n of its CTAs {dict(sorted(held.items()))}; mean CTA end by n: "
+              + ", ".join(f"{n}: {sum(v) / len(v):,.0f}" for n, v in sorted(ends.items())))
 
 
 def graphs(libraries):
