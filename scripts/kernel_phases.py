@@ -176,20 +176,26 @@ KERNELS = ("qkv", "attention", "o", "gate_up", "down")
 MOMENTS = {GEMV: (0, 1, 4), ATTENTION: (0, 2, 9)}
 
 
+def by_kernel(records, owners: dict) -> dict:
+    """The records grouped by their kernel: (layer, kind) -> CTA records."""
+    groups = {}
+    for r in records:
+        if r[1] in owners:
+            groups.setdefault(owners[r[1]], []).append(r)
+    return groups
+
+
 def timeline(records, owners: dict, num_layers: int):
     """When each kernel of a layer runs, in ns after the layer's qkv GEMV first returns from its wait, averaged over
     the middle layers: its CTAs' first / median / last start (did they find room, and how early), the first and
     last return from the wait, and the last CTA's end. A kernel whose CTAs start only after the one two places
     before it ended did not launch two kernels ahead."""
-    by_kernel = {}
-    for r in records:
-        if r[1] in owners:
-            by_kernel.setdefault(owners[r[1]], []).append(r)
+    groups = by_kernel(records, owners)
     columns = ["first start", "median start", "last start", "first wait return", "last wait return", "last end"]
     sums = {kind: [0.0] * len(columns) for kind in KERNELS}
     layers = range(1, num_layers - 1)
     for layer in layers:
-        rows = {kind: by_kernel.get((layer, kind), []) for kind in KERNELS}
+        rows = {kind: groups.get((layer, kind), []) for kind in KERNELS}
         if not all(rows.values()):
             return
         origin = min(r[4 + MOMENTS[r[0]][1]] for r in rows["qkv"])
@@ -210,10 +216,11 @@ def crowding(records, owners: dict, num_layers: int):
     """How evenly each kernel's CTAs sat on the SMs (the hardware places them where room appears), and what that cost:
     over the middle layers, how many SMs held 1, 2, ... of a kernel's CTAs, and the mean CTA end (ns after the
     kernel's first wait return) by how many of its kernel's CTAs shared the SM. The last CTA holds the next kernel."""
+    groups = by_kernel(records, owners)
     for kind in KERNELS:
         held, ends = Counter(), {}
         for layer in range(1, num_layers - 1):
-            rows = [r for r in records if owners.get(r[1]) == (layer, kind)]
+            rows = groups.get((layer, kind), [])
             if not rows:
                 return
             _, wait, end = MOMENTS[rows[0][0]]
