@@ -408,6 +408,20 @@ def test_rms_norm_with_residual_matches_twin(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [96, 1536] if DEVICE == "cpu" else [96, 1024, 2560, 4096])
+def test_embedding_matches_twin(dtype, hidden):
+    from nanovllm.layers.embed_head import VocabEmbedding
+
+    g = torch.Generator().manual_seed(6)
+    embed = VocabEmbedding(50, hidden)
+    embed.weight.data = torch.randn(50, hidden, generator=g).to(dtype)
+    embed = embed.to(DEVICE)
+    ids = torch.tensor([[3, 49, 0, 3], [7, 7, 1, 48]]).to(DEVICE)  # repeats, both ends of the vocabulary
+    assert torch.equal(embed.forward_triton(ids), embed.forward_native(ids))
+    assert torch.equal(embed.forward_triton(ids[0, :1]), embed.forward_native(ids[0, :1]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [96, 1536] if DEVICE == "cpu" else [96, 1536, 3072, 14336])
 def test_silu_and_mul_matches_twin(dtype, d):
     from nanovllm.layers.activation import SiluAndMul

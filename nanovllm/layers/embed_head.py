@@ -2,16 +2,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.linear import LinearMethod, UnquantizedLinearMethod
 
 
-class VocabEmbedding(nn.Module):
+class VocabEmbedding(CustomOp):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.weight)
+
+    def forward_triton(self, token_ids: torch.Tensor) -> torch.Tensor:
+        from nanovllm.kernels.embedding import embedding
+
+        return embedding(token_ids.reshape(-1), self.weight).view(*token_ids.shape, self.weight.shape[1])
 
 
 class LMHead(nn.Module):
