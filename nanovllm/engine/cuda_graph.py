@@ -1,6 +1,6 @@
 """Steps captured as CUDA graphs, sharing one memory pool: decode steps per batch-size bucket (their logits
-included, and a sampling graph each), and steps with prefills per token-count bucket (up to the hidden states;
-the rows to sample vary).
+included, and a sampling graph each; small buckets also one graph of both), and steps with prefills per
+token-count bucket (up to the hidden states; the rows to sample vary).
 
 A replay reads the step's inputs from static buffers: copied there from the host, or, for a decode batch that
 runs again unchanged, left there by its previous step's sampling graph. Decode rows past the real batch are
@@ -14,6 +14,11 @@ from nanovllm.kernels.paged_attention import prefill_tile_tokens
 from nanovllm.kernels.sampling import gumbel_argmax
 
 TOKEN_RING_ROWS = 4  # > the steps in flight: the host reads a step's row before the step after the next is launched
+# decode buckets up to this size also get one graph of the step and its sampling together (run_steady): one graph
+# boundary a steady step instead of two, and the sampling kernels launch under PDL behind the LM head (on the H100
+# a bs=1 step's sampling graph began ~3.4 us after the step graph's last kernel ended); a larger bucket's step is
+# long enough that a boundary is lost in it, so it keeps two replays (four graphs more to capture, not twenty)
+STEADY_GRAPH_MAX_BATCH = 8
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -103,6 +108,7 @@ class CUDAGraphRunner:
         self.replays = 0  # step graphs replayed since capture: the host's count of ring_state[0]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.steady_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the step graph, then the sampling graph's kernels
 
     def _meta(self, bs: int) -> AttentionMetadata:
         buf = self.buffers
@@ -123,10 +129,16 @@ class CUDAGraphRunner:
                       out=self.tokens[:bs])
         self.advance(self.tokens[:bs], self.steps[:bs])
 
+    def _steady_step(self, bs: int):
+        self._step(bs)
+        self._sample_step(bs)
+
     @torch.inference_mode()
     def capture(self, pool=None):
         pool = _capture(self.graphs, self.batch_sizes, self._step, pool)
         pool = _capture(self.sample_graphs, self.batch_sizes, self._sample_step, pool)
+        steady_sizes = [b for b in self.batch_sizes if b <= STEADY_GRAPH_MAX_BATCH]
+        pool = _capture(self.steady_graphs, steady_sizes, self._steady_step, pool)
         self.ring_state.zero_()  # the warm-up steps counted
         torch.cuda.synchronize()
         return pool
@@ -179,8 +191,13 @@ class CUDAGraphRunner:
 
     def run_steady(self, n: int) -> torch.Tensor:
         """The next step of the batch that the last sample() left in the buffers: its tokens."""
-        self.replay(n)
-        self.sample_graphs[self._bucket(n)].replay()
+        bucket = self._bucket(n)
+        if bucket in self.steady_graphs:
+            self.steady_graphs[bucket].replay()
+            self.replays += 1
+        else:
+            self.replay(n)
+            self.sample_graphs[bucket].replay()
         return self.tokens[:n]
 
 
