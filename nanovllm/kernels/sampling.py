@@ -1,7 +1,8 @@
 """Seeded categorical sampling in one pass over the logits: argmax(logits / temperature - log E), E ~ Exp(1)
 drawn from a counter-based hash of (seed, step, token id); a row at temperature 0 takes the plain argmax.
 The logits are read in the model's dtype, so the common case (temperature only) costs one read of them. A
-batch of few rows splits each row's vocabulary over several programs, whose best scores a second kernel merges.
+batch of few rows splits each row's vocabulary over several programs; the row's last program to finish merges
+their best scores (a per-row counter, back at zero after each launch), so the draw is one kernel.
 Compiled, log E takes two hardware lg2 approximations (_log_exponential); the reference computes it with exact
 logs, so a draw can differ only where two scores are within ~3e-6. Reference: layers.sampler.gumbel_argmax_reference."""
 import os
@@ -49,10 +50,11 @@ def _log_exponential(bits, FAST: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count: none mid-run
-def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, part_score_ptr, part_idx_ptr, vocab,
-                          stride, split_len, num_splits, HAS_TEMPERATURE: tl.constexpr, BLOCK: tl.constexpr,
-                          FAST_LOG: tl.constexpr, PDL: tl.constexpr):
-    """One program per (row, vocabulary split): the best score of its split and where it is."""
+def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, part_score_ptr, part_idx_ptr,
+                          counter_ptr, vocab, stride, split_len, num_splits, HAS_TEMPERATURE: tl.constexpr,
+                          BLOCK: tl.constexpr, FAST_LOG: tl.constexpr, MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    """One program per (row, vocabulary split): the best score of its split and where it is; the row's last
+    program to finish picks the best split's."""
     wait_then_release(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -86,17 +88,15 @@ def _gumbel_argmax_kernel(logits_ptr, seeds_ptr, steps_ptr, temp_ptr, out_ptr, p
     else:
         tl.store(part_score_ptr + row * num_splits + split, best)
         tl.store(part_idx_ptr + row * num_splits + split, best_idx)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _gumbel_merge_kernel(part_score_ptr, part_idx_ptr, out_ptr, num_splits, MAX_SPLITS: tl.constexpr,
-                         PDL: tl.constexpr):
-    wait_then_release(PDL)
-    row = tl.program_id(0)
-    s = tl.arange(0, MAX_SPLITS)
-    scores = tl.load(part_score_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"))
-    winner = tl.argmax(scores, 0, tie_break_left=True)  # ties: the earliest split, which holds the earlier ids
-    tl.store(out_ptr + row, tl.load(part_idx_ptr + row * num_splits + winner))
+        tl.debug_barrier()  # the partials are stored before the count that releases them
+        if tl.atomic_add(counter_ptr + row, 1, sem="acq_rel") == num_splits - 1:
+            s = tl.arange(0, MAX_SPLITS)
+            # through L2 (.cg): this SM's L1 may hold the partials of an earlier launch at these addresses
+            scores = tl.load(part_score_ptr + row * num_splits + s, mask=s < num_splits, other=float("-inf"),
+                             cache_modifier=".cg")
+            winner = tl.argmax(scores, 0, tie_break_left=True)  # ties: the earliest split, which holds the earlier ids
+            tl.store(out_ptr + row, tl.load(part_idx_ptr + row * num_splits + winner, cache_modifier=".cg"))
+            tl.store(counter_ptr + row, 0)  # ready for the next launch
 
 
 def _block() -> int:
@@ -132,11 +132,23 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
     part_score = torch.empty(rows * splits, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows * splits, dtype=torch.int64, device=logits.device)
     has_temperature = temperature is not None
-    launch = pdl_launch(logits.device)
     _gumbel_argmax_kernel[(rows, splits)](logits, seeds, steps, temperature if has_temperature else seeds, out,
-                                          part_score, part_idx, vocab, logits.stride(0), split_len, splits,
-                                          HAS_TEMPERATURE=has_temperature, BLOCK=block, FAST_LOG=not INTERPRETED,
-                                          num_warps=8, **launch)
-    if splits > 1:
-        _gumbel_merge_kernel[(rows,)](part_score, part_idx, out, splits, MAX_SPLITS=MAX_SPLITS, **launch)
+                                          part_score, part_idx, _row_counters(rows, logits.device), vocab,
+                                          logits.stride(0), split_len, splits, HAS_TEMPERATURE=has_temperature,
+                                          BLOCK=block, FAST_LOG=not INTERPRETED, MAX_SPLITS=MAX_SPLITS, num_warps=8,
+                                          **pdl_launch(logits.device))
     return out
+
+
+_counters: dict[str, torch.Tensor] = {}
+
+
+def _row_counters(rows: int, device: torch.device) -> torch.Tensor:
+    """The kernel's per-row counts of finished splits: zeros, kept per device (each launch leaves them at zero),
+    made before any CUDA graph capture (the warm-up steps sample first) and never inside one."""
+    key = str(device)
+    if key not in _counters or _counters[key].numel() < rows:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"gumbel_argmax: {rows} rows in a CUDA graph capture, more than any eager step had")
+        _counters[key] = torch.zeros(max(rows, 1024), dtype=torch.int32, device=device)
+    return _counters[key]
