@@ -23,6 +23,7 @@ assert os.environ.get("TRITON_INTERPRET") != "1", "compile_check compiles kernel
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nanovllm.kernels.activation import silu_and_mul  # noqa: E402
 from nanovllm.kernels.decode_inputs import advance_decode_inputs, prepare_decode_inputs  # noqa: E402
+from nanovllm.kernels.embedding import embedding  # noqa: E402
 from nanovllm.kernels.gemv import gemv  # noqa: E402
 from nanovllm.kernels.kv_store import store_kv  # noqa: E402
 from nanovllm.kernels.paged_attention import paged_decode, paged_prefill, prefill_tile_tokens, prefill_tiles  # noqa: E402
@@ -121,6 +122,10 @@ def launch_everything():
     advance_decode_inputs(positions, positions.clone(), positions.clone(), positions.clone(), num_rows)
     ring_state = torch.zeros(2, dtype=torch.int32)  # with the token ring of the decode graphs
     prepare_decode_inputs(positions, lens, positions.clone(), tables, num_rows, 64, 16, ring_state, 4)
+    table = torch.randn(151936, 1024, **bf16)  # the decode graphs' first kernel gathers the input embeddings too
+    prepare_decode_inputs(positions, lens, positions.clone(), tables, num_rows, 64, 16, ring_state, 4, positions,
+                          table)
+    embedding(positions, table)
     advance_decode_inputs(positions, positions.clone(), positions.clone(), positions.clone(), num_rows,
                           torch.zeros(4, 8, dtype=torch.int64), ring_state)
     q = torch.randn(8, 16, 128, **bf16)

@@ -466,8 +466,9 @@ def test_gemv_rows_setting_rejects_bad_values(value):
 @pytest.mark.parametrize("rows,num_rows", [(1, 1), (16, 5), (16, 0), (200, 131)])
 def test_decode_inputs_match_reference(rows, num_rows):
     """A decode graph's first kernel (slots, context lengths, padding rows reset, the step counted and its token ring
-    row picked) and a sampling graph's last (tokens become input ids and go to that ring row, positions and steps
-    + 1, padding rows untouched) against their torch references, over two steps of a 2-row ring."""
+    row picked; input embeddings gathered where given) and a sampling graph's last (tokens become input ids and go
+    to that ring row, positions and steps + 1, padding rows untouched) against their torch references, over two
+    steps of a 2-row ring."""
     g = torch.Generator().manual_seed(rows)
     block_size, width, scratch, ring_rows = 16, 8, 999, 2
     state = dict(positions=torch.randint(0, block_size * width, (rows,), generator=g),
@@ -479,13 +480,19 @@ def test_decode_inputs_match_reference(rows, num_rows):
     ring_got = ring_ref.clone().pin_memory() if DEVICE == "cuda" else ring_ref.clone()  # as the graphs' ring
     ref = {k: v.clone() for k, v in state.items()}
     got = {k: v.to(DEVICE) for k, v in state.items()}
+    table = torch.randn(1000, 40, generator=g)  # embedding rows gathered in the same launch on the second step
     for step in range(2):
-        decode_inputs.prepare_decode_inputs(**got, num_rows=torch.tensor([num_rows], dtype=torch.int32, device=DEVICE),
-                                            scratch_block=scratch, block_size=block_size, ring_rows=ring_rows)
-        decode_inputs.prepare_decode_inputs_reference(**ref, num_rows=num_rows, scratch_block=scratch,
-                                                      block_size=block_size, ring_rows=ring_rows)
+        ids = torch.randint(0, 1000, (rows,), generator=g)
+        embed = dict(input_ids=ids.to(DEVICE), embedding=table.to(DEVICE)) if step == 1 else {}
+        embeds = decode_inputs.prepare_decode_inputs(
+            **got, **embed, num_rows=torch.tensor([num_rows], dtype=torch.int32, device=DEVICE), scratch_block=scratch,
+            block_size=block_size, ring_rows=ring_rows)
+        embeds_ref = decode_inputs.prepare_decode_inputs_reference(
+            **ref, **({"input_ids": ids, "embedding": table} if embed else {}), num_rows=num_rows,
+            scratch_block=scratch, block_size=block_size, ring_rows=ring_rows)
         for key in state:
             assert torch.equal(got[key].cpu(), ref[key]), key
+        assert (embeds is None and embeds_ref is None) if step == 0 else torch.equal(embeds.cpu(), embeds_ref)
         tokens = torch.randint(0, 1000, (rows,), generator=g)
         ids, steps = torch.randint(0, 1000, (rows,), generator=g), torch.randint(0, 1000, (rows,), generator=g)
         moved = [t.clone().to(DEVICE) for t in (tokens, ids, ref["positions"], steps)]

@@ -119,9 +119,10 @@ class CUDAGraphRunner:
 
     def _step(self, bs: int):
         buf = self.buffers
-        prepare_decode_inputs(buf.positions[:bs], buf.seq_lens[:bs], buf.slot_mapping[:bs], buf.block_tables[:bs],
-                              self.num_rows, buf.scratch_block, self.block_size, self.ring_state, TOKEN_RING_ROWS)
-        hidden = self.model(buf.input_ids[:bs], buf.positions[:bs], self._meta(bs))
+        embeds = prepare_decode_inputs(buf.positions[:bs], buf.seq_lens[:bs], buf.slot_mapping[:bs],
+                                       buf.block_tables[:bs], self.num_rows, buf.scratch_block, self.block_size,
+                                       self.ring_state, TOKEN_RING_ROWS, buf.input_ids[:bs], self.model.embedding_table())
+        hidden = self.model(buf.input_ids[:bs], buf.positions[:bs], self._meta(bs), embeds)
         self.model.compute_logits(hidden, out=self.logits[:bs])
 
     def _sample_step(self, bs: int):

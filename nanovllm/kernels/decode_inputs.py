@@ -2,9 +2,10 @@
 
 The state of a row is its next input token and that token's position; its block table lives beside them.
 `prepare_decode_inputs`, the first kernel of a decode graph, derives each row's KV slot and context length from
-them; `advance_decode_inputs`, the last kernel of a sampling graph, makes the sampled tokens the next input ids
-and moves positions and sampling steps on by one. Rows at or past num_rows (a device scalar) are the bucket's
-padding: position 0 in the scratch block.
+them (and, given the embedding table, gathers the rows' input embeddings in the same launch: a kernel fewer on
+the step's dependent chain); `advance_decode_inputs`, the last kernel of a sampling graph, makes the sampled
+tokens the next input ids and moves positions and sampling steps on by one. Rows at or past num_rows (a device
+scalar) are the bucket's padding: position 0 in the scratch block.
 With a token ring (pinned host memory, [ring rows, max rows]), the advance kernel also writes the tokens into the
 ring row that the prepare kernel of the same step picked (step count modulo ring rows, counted on the device in
 ring_state = [steps, this step's row]): the host reads them there, with no copy of its own to wait for (on the H100
@@ -14,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.embedding import embed_row
 from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 
 ROWS_PER_PROGRAM = 128
@@ -21,9 +23,15 @@ ROWS_PER_PROGRAM = 128
 
 @triton.jit(do_not_specialize=["rows", "scratch_block"])
 def _prepare_kernel(positions_ptr, seq_lens_ptr, slot_ptr, block_tables_ptr, table_stride, num_rows_ptr, rows,
-                    scratch_block, ring_state_ptr, RING_ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK: tl.constexpr, PDL: tl.constexpr):
+                    scratch_block, ring_state_ptr, ids_ptr, embed_ptr, hidden_ptr, hidden, RING_ROWS: tl.constexpr,
+                    BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr, EMBED_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program p prepares rows [p * BLOCK, + BLOCK) (none past the bucket) and, with EMBED_BLOCK, embeds row
+    p - cdiv(rows, BLOCK) (none before the first such program)."""
     wait_then_release(PDL)
+    if EMBED_BLOCK > 0:
+        embedded = tl.program_id(0) - tl.cdiv(rows, BLOCK)
+        embed_row(ids_ptr, embed_ptr, hidden_ptr, tl.maximum(embedded, 0), tl.arange(0, EMBED_BLOCK), hidden,
+                  tl.where(embedded >= 0, hidden, 0))
     if RING_ROWS > 0 and tl.program_id(0) == 0:
         count = tl.load(ring_state_ptr)
         tl.store(ring_state_ptr + 1, count % RING_ROWS)
@@ -56,16 +64,28 @@ def _advance_kernel(tokens_ptr, input_ids_ptr, positions_ptr, steps_ptr, num_row
 
 def prepare_decode_inputs(positions: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
                           block_tables: torch.Tensor, num_rows: torch.Tensor, scratch_block: int, block_size: int,
-                          ring_state: torch.Tensor | None = None, ring_rows: int = 0):
+                          ring_state: torch.Tensor | None = None, ring_rows: int = 0,
+                          input_ids: torch.Tensor | None = None,
+                          embedding: torch.Tensor | None = None) -> torch.Tensor | None:
     """In place, for the rows of a bucket ([R] int64 positions and slots, [R] int32 seq_lens, [R, W] int32 block
     tables, num_rows a [1] int32): slots and context lengths from positions; padding rows reset. With ring_state
-    ([2] int32) and ring_rows: this step's ring row, and the step counted."""
+    ([2] int32) and ring_rows: this step's ring row, and the step counted. With input_ids [R] and the embedding
+    table [vocab, hidden] (contiguous): returns the rows' embeddings [R, hidden], else None."""
     rows = positions.shape[0]
     assert block_tables.stride(1) == 1
-    _prepare_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM),)](
+    hidden = None
+    if embedding is not None:
+        assert embedding.is_contiguous() and input_ids.shape == (rows,)
+        hidden = torch.empty(rows, embedding.shape[1], dtype=embedding.dtype, device=embedding.device)
+    programs = triton.cdiv(rows, ROWS_PER_PROGRAM) + (rows if hidden is not None else 0)
+    _prepare_kernel[(programs,)](
         positions, seq_lens, slot_mapping, block_tables, block_tables.stride(0), num_rows, rows, scratch_block,
-        ring_state if ring_rows else num_rows, RING_ROWS=ring_rows, BLOCK_SIZE=block_size, BLOCK=ROWS_PER_PROGRAM,
+        ring_state if ring_rows else num_rows, input_ids if hidden is not None else positions,
+        embedding if hidden is not None else positions, hidden if hidden is not None else positions,
+        hidden.shape[1] if hidden is not None else 0, RING_ROWS=ring_rows, BLOCK_SIZE=block_size,
+        BLOCK=ROWS_PER_PROGRAM, EMBED_BLOCK=triton.next_power_of_2(hidden.shape[1]) if hidden is not None else 0,
         **pdl_launch(positions.device))
+    return hidden
 
 
 def advance_decode_inputs(tokens: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -83,7 +103,9 @@ def advance_decode_inputs(tokens: torch.Tensor, input_ids: torch.Tensor, positio
 
 
 def prepare_decode_inputs_reference(positions, seq_lens, slot_mapping, block_tables, num_rows: int,
-                                    scratch_block: int, block_size: int, ring_state=None, ring_rows: int = 0):
+                                    scratch_block: int, block_size: int, ring_state=None, ring_rows: int = 0,
+                                    input_ids=None, embedding=None):
+    hidden = None if embedding is None else torch.nn.functional.embedding(input_ids, embedding)
     if ring_rows:
         ring_state[1] = ring_state[0] % ring_rows
         ring_state[0] += 1
@@ -92,6 +114,7 @@ def prepare_decode_inputs_reference(positions, seq_lens, slot_mapping, block_tab
     blocks = block_tables.gather(1, (positions // block_size)[:, None])[:, 0].long()
     slot_mapping.copy_(blocks * block_size + positions % block_size)
     seq_lens.copy_(positions + 1)
+    return hidden
 
 
 def advance_decode_inputs_reference(tokens, input_ids, positions, steps, num_rows: int, ring=None, ring_state=None):

@@ -10,14 +10,19 @@ from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 
 
 @triton.jit
+def embed_row(ids_ptr, weight_ptr, out_ptr, row, cols, hidden, width):
+    """Columns `cols` (those < width) of out's row `row`: the weight row of token ids[row]."""
+    mask = cols < width
+    token = tl.load(ids_ptr + row).to(tl.int64)
+    tl.store(out_ptr + row.to(tl.int64) * hidden + cols, tl.load(weight_ptr + token * hidden + cols, mask=mask),
+             mask=mask)
+
+
+@triton.jit
 def _embedding_kernel(ids_ptr, weight_ptr, out_ptr, hidden, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_then_release(PDL)
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < hidden
-    token = tl.load(ids_ptr + row).to(tl.int64)
-    values = tl.load(weight_ptr + token * hidden + cols, mask=mask)
-    tl.store(out_ptr + row.to(tl.int64) * hidden + cols, values, mask=mask)
+    embed_row(ids_ptr, weight_ptr, out_ptr, tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK), hidden,
+              hidden)
 
 
 def embedding(token_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

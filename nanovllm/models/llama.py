@@ -110,8 +110,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.decode_layers = None  # set by the ModelRunner where bs=1 decode steps run all layers in one kernel
 
-    def forward(self, input_ids, positions, meta):
-        hidden, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids, positions, meta, inputs_embeds=None):
+        """inputs_embeds: the input ids' embeddings where the caller gathered them (a decode graph's first kernel)."""
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        residual = None
         if self.decode_layers is not None and self.decode_layers.takes(meta):
             self.decode_layers(hidden, meta)  # in place: the residual stream after the last layer
             return self.norm(hidden)
@@ -139,8 +141,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, self.model.embed_tokens if tied else None)
         self.tied = tied
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, inputs_embeds)
+
+    def embedding_table(self) -> torch.Tensor | None:
+        """The [vocab, hidden] table that a caller may gather input embeddings from itself (forward's inputs_embeds),
+        or None where the model's embedding runs its plain torch path (CPU, the torch backend)."""
+        embed = self.model.embed_tokens
+        return embed.weight if embed.use_triton and embed.weight.is_contiguous() else None
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: [rows, vocab] to write the logits into (a CUDA graph's static output)."""
