@@ -306,7 +306,7 @@ def test_gemv_matches_linear(rows, n, k, dtype, bias):
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
 def test_gumbel_argmax_matches_reference(vocab, num_splits):
     """Every split count draws the reference's tokens: the splits' best scores merge to the row's first argmax."""
-    from nanovllm.kernels.sampling import gumbel_argmax
+    from nanovllm.kernels.sampling import _row_counters, gumbel_argmax
     from nanovllm.layers.sampler import gumbel_argmax_reference
 
     g = torch.Generator().manual_seed(4)
@@ -319,6 +319,9 @@ def test_gumbel_argmax_matches_reference(vocab, num_splits):
     got = gumbel_argmax(logits, seeds, steps, num_splits=num_splits)
     assert got.tolist() == gumbel_argmax_reference(logits, seeds, steps).tolist()
     assert got[0] < vocab // 2 and got[1] == vocab - 1
+    # the rows' last splits left their counters at zero: a second draw merges as the first
+    assert torch.equal(gumbel_argmax(logits, seeds, steps, num_splits=num_splits), got)
+    assert not _row_counters(rows, logits.device).any()
 
 
 def test_gumbel_argmax_never_draws_an_improbable_token():

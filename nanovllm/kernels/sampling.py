@@ -140,15 +140,16 @@ def gumbel_argmax(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
     return out
 
 
-_counters: dict[str, torch.Tensor] = {}
+_counters: dict[str, list[torch.Tensor]] = {}
 
 
 def _row_counters(rows: int, device: torch.device) -> torch.Tensor:
     """The kernel's per-row counts of finished splits: zeros, kept per device (each launch leaves them at zero),
-    made before any CUDA graph capture (the warm-up steps sample first) and never inside one."""
-    key = str(device)
-    if key not in _counters or _counters[key].numel() < rows:
+    made before any CUDA graph capture (the warm-up steps sample first) and never inside one. A larger batch gets
+    new counters; the old stay allocated, since graphs captured before may still use them."""
+    kept = _counters.setdefault(str(device), [])
+    if not kept or kept[-1].numel() < rows:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"gumbel_argmax: {rows} rows in a CUDA graph capture, more than any eager step had")
-        _counters[key] = torch.zeros(max(rows, 1024), dtype=torch.int32, device=device)
-    return _counters[key]
+        kept.append(torch.zeros(max(rows, 1024), dtype=torch.int32, device=device))
+    return kept[-1]
