@@ -237,7 +237,7 @@ class ModelRunner:
             if use_triton and isinstance(module, RotaryEmbedding):
                 module.tables(self.dtype)  # cast now, never inside a CUDA graph capture
         if use_triton:
-            log_once("fused Triton layers: RMSNorm (+ residual add), SiLU-and-mul, rotary (+ q/k RMSNorm)")
+            log_once("fused Triton layers: RMSNorm (+ residual add), SiLU-and-mul, rotary (+ q/k RMSNorm), embedding gather")
             off = pdl.why_off(self.device)
             log_once("Triton kernels use programmatic dependent launch" if off is None else
                      f"programmatic dependent launch is off ({off}): kernels launch one after another")
