@@ -1,9 +1,20 @@
-// Shared by the stand-alone CUDA microbenchmarks of scripts/ (hop_bench.cu, icache_bench.cu).
+// Shared by the stand-alone CUDA microbenchmarks of scripts/ (hop_bench.cu, icache_bench.cu, stream_beside_bench.cu).
 #pragma once
 #include <cstdio>
 #include <cuda_runtime.h>
 
 #define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); return 1; } } while (0)
+
+// A launch of grid x block on stream that may begin before the kernel before it ends (programmatic dependent
+// launch); *attribute is the attribute the config points to.
+inline cudaLaunchConfig_t pdl_config(dim3 grid, dim3 block, cudaStream_t stream, cudaLaunchAttribute* attribute) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid, config.blockDim = block, config.stream = stream;
+  attribute->id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute->val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute, config.numAttrs = 1;
+  return config;
+}
 
 // Instantiates the captured graph, replays it 20 times to warm up, then times 200 replays: us a replay in *us.
 inline int time_graph(cudaGraph_t graph, cudaStream_t stream, float* us) {

@@ -15,25 +15,12 @@
 #include <cuda_bf16.h>
 
 #include "graph_timing.cuh"
-
-constexpr int kThreads = 128, kK = 1024, kOut = 4;
+#include "one_row_chain.cuh"
 
 __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   unsigned v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 __device__ __forceinline__ void red_release(unsigned* p) {
   asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(p) : "memory"); }
-
-// The row the kernel before wrote, read through L2, and its sum of squares over the CTA (an RMSNorm's reduction).
-__device__ __forceinline__ float sum_of_squares(const __nv_bfloat16* x, float* sums) {
-  uint4 v = __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x);
-  const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
-  float a = 0.f;
-  for (int i = 0; i < 8; ++i) a += __bfloat162float(e[i]) * __bfloat162float(e[i]);
-  for (int o = 16; o; o /= 2) a += __shfl_xor_sync(~0u, a, o);
-  if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = a;
-  __syncthreads();
-  return sums[0] + sums[1] + sums[2] + sums[3];
-}
 
 template <int MODE, int STAGE>
 __global__ void __launch_bounds__(kThreads) hop(const __nv_bfloat16* x, __nv_bfloat16* y, unsigned* counters, int k) {
@@ -77,14 +64,8 @@ int run(int ctas, int chain, __nv_bfloat16* rows, unsigned* counters, cudaStream
   cudaMemsetAsync(counters, 0, chain * sizeof(unsigned), stream);
   if (MODE == 4) stages<STAGE><<<ctas, kThreads, 0, stream>>>(rows, counters, chain);
   for (int k = 0; MODE != 4 && k < chain; ++k) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(ctas);
-    config.blockDim = dim3(kThreads);
-    config.stream = stream;
     cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = &attribute;
+    cudaLaunchConfig_t config = pdl_config(dim3(ctas), dim3(kThreads), stream, &attribute);
     config.numAttrs = MODE == 2 ? 0 : 1;
     cudaLaunchAttribute attributes[2] = {attribute, {}};
     if ((MODE == 5 || MODE == 6) && k % 2 == 1) {

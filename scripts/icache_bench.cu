@@ -34,12 +34,8 @@ int run(int distinct, float* rows, cudaStream_t stream) {
   const int chain = 140;
   CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   for (int k = 0; k < chain; ++k) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(264); config.blockDim = dim3(128); config.stream = stream;
     cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = &attribute; config.numAttrs = 1;
+    const cudaLaunchConfig_t config = pdl_config(dim3(264), dim3(128), stream, &attribute);
     CHECK(cudaLaunchKernelEx(&config, kernels[k % distinct], (const float*)(rows + (k % 2) * 128), rows + ((k + 1) % 2) * 128));
   }
   CHECK(cudaStreamEndCapture(stream, &graph));

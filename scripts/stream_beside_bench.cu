@@ -14,23 +14,12 @@
 #include <cuda_bf16.h>
 
 #include "graph_timing.cuh"
+#include "one_row_chain.cuh"
 
-constexpr int kThreads = 128, kK = 1024, kOut = 4, kPiece = 16384;
+constexpr int kPiece = 16384;
 constexpr size_t kBuffer = size_t(1) << 30;
 
 __device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-
-template <bool SHARED = false>
-__device__ __forceinline__ float sum_of_squares(const __nv_bfloat16* x, float* sums) {
-  uint4 v = SHARED ? reinterpret_cast<const uint4*>(x)[threadIdx.x] : __ldcg(reinterpret_cast<const uint4*>(x) + threadIdx.x);
-  const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
-  float a = 0.f;
-  for (int i = 0; i < 8; ++i) a += __bfloat162float(e[i]) * __bfloat162float(e[i]);
-  for (int o = 16; o; o /= 2) a += __shfl_xor_sync(~0u, a, o);
-  if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = a;
-  __syncthreads();
-  return sums[0] + sums[1] + sums[2] + sums[3];
-}
 
 // this CTA's share [begin, end) of the kernel's S bytes
 template <int HOW>
@@ -112,15 +101,8 @@ int run(const char* label, size_t bytes, bool lonely, __nv_bfloat16* rows, const
   for (int k = 0; k < chain; ++k) {
     const size_t mine = lonely ? (k % 4 == 0 ? 4 * bytes : 0) : bytes;
     if (offset + mine > kBuffer) offset = 0;
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(ctas);
-    config.blockDim = dim3(kThreads);
-    config.stream = stream;
     cudaLaunchAttribute attribute;
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
+    const cudaLaunchConfig_t config = pdl_config(dim3(ctas), dim3(kThreads), stream, &attribute);
     CHECK(cudaLaunchKernelEx(&config, hop<HOW, WHERE, ROW_TMA>, rows + (k % 2) * kK, rows + ((k + 1) % 2) * kK, buffer + offset, mine));
     offset += mine;
   }
