@@ -13,17 +13,18 @@
 //   nvcc -O3 -gencode arch=compute_90,code=sm_90 -o /tmp/stream_beside scripts/stream_beside_bench.cu && /tmp/stream_beside
 #include <cuda_bf16.h>
 
+#include "../csrc/common.cuh"  // mbarriers and bulk copies
 #include "graph_timing.cuh"
 #include "one_row_chain.cuh"
+
+using namespace nanovllm;
 
 constexpr int kPiece = 16384;
 constexpr size_t kBuffer = size_t(1) << 30;
 
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
-
 // this CTA's share [begin, end) of the kernel's S bytes
 template <int HOW>
-__device__ __forceinline__ void stream(const char* base, size_t begin, size_t end, char* buf, unsigned long long* bar,
+__device__ __forceinline__ void stream(const char* base, size_t begin, size_t end, char* buf, uint64_t* bar,
                                        int* pieces) {
   if (HOW == 0 && threadIdx.x == 0)
     for (size_t b = begin; b < end; b += kPiece)
@@ -35,9 +36,8 @@ __device__ __forceinline__ void stream(const char* base, size_t begin, size_t en
     int n = 0;
     for (size_t b = begin; b < end; b += kPiece, ++n) {
       const unsigned bytes = unsigned(min(end - b, size_t(kPiece)));
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                   ::"r"(smem_u32(buf)), "l"(base + b), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+      barrier_expect(bar, bytes);
+      bulk_copy(buf, base + b, bytes, bar);
     }
     *pieces = n;
   }
@@ -45,16 +45,12 @@ __device__ __forceinline__ void stream(const char* base, size_t begin, size_t en
 
 // the row through a bulk copy into shared memory (the TMA unit that the bulk streams use too), then the same sum
 __device__ __forceinline__ float sum_of_squares_tma(const __nv_bfloat16* x, float* sums, __nv_bfloat16* row,
-                                                    unsigned long long* bar) {
+                                                    uint64_t* bar) {
   if (threadIdx.x == 0) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(kK * 2) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(smem_u32(row)), "l"(x), "r"(kK * 2), "r"(smem_u32(bar)) : "memory");
+    barrier_expect(bar, kK * 2);
+    bulk_copy(row, x, kK * 2, bar);
   }
-  unsigned done = 0;
-  while (!done)
-    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
-                 : "=r"(done) : "r"(smem_u32(bar)) : "memory");
+  barrier_wait(bar, 0);
   return sum_of_squares<true>(row, sums);
 }
 
@@ -62,34 +58,25 @@ template <int HOW, int WHERE, int ROW_TMA = 0>
 __global__ void __launch_bounds__(kThreads) hop(const __nv_bfloat16* x, __nv_bfloat16* y, const char* base, size_t bytes) {
   __shared__ float sums[kThreads / 32];
   __shared__ alignas(128) char buf[HOW == 2 ? kPiece : 16];
-  __shared__ alignas(8) unsigned long long bar;
+  __shared__ alignas(8) uint64_t bar, row_bar;
   __shared__ int pieces;
   __shared__ alignas(128) __nv_bfloat16 row[ROW_TMA ? kK : 8];
-  __shared__ alignas(8) unsigned long long row_bar;
-  if (ROW_TMA && threadIdx.x == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&row_bar)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  if (HOW == 2 && threadIdx.x == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bar)) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  if (threadIdx.x == 0 && (HOW == 2 || ROW_TMA)) {
+    barrier_init(&bar, 1);
+    barrier_init(&row_bar, 1);
+    barriers_initialized();
   }
   // 16-byte aligned shares
   const size_t units = bytes / 16, begin = units * blockIdx.x / gridDim.x * 16, end = units * (blockIdx.x + 1) / gridDim.x * 16;
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  launch_dependents();
   if (WHERE == 0) stream<HOW>(base, begin, end, buf, &bar, &pieces);
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  wait_for_prior_kernel();
   if (WHERE == 1) stream<HOW>(base, begin, end, buf, &bar, &pieces);
   if (ROW_TMA) __syncthreads();  // the barrier's init seen by every thread
   const float s = ROW_TMA ? sum_of_squares_tma(x, sums, row, &row_bar) : sum_of_squares(x, sums);
   if (threadIdx.x < kOut) y[(blockIdx.x * kOut + threadIdx.x) % kK] = __float2bfloat16(rsqrtf(s / kK + 1e-6f) * 0.5f);
   if (HOW == 2 && threadIdx.x == 0)  // every piece's bytes landed (phase parity of the n-th completion)
-    for (int i = 0; i < pieces; ++i) {
-      unsigned done = 0;
-      while (!done)
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(smem_u32(&bar)), "r"(unsigned(i & 1)) : "memory");
-    }
+    for (int i = 0; i < pieces; ++i) barrier_wait(&bar, i & 1);
 }
 
 template <int HOW, int WHERE, int ROW_TMA = 0>
