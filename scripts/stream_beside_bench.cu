@@ -1,16 +1,18 @@
 // How much does a weight stream beside a chain of dependent one-row kernels slow the chain? The chain is
 // hop_bench.cu's (PDL wait, each kernel reads the row the one before wrote through L2, a block-wide sum, 264 CTAs
 // x 128 threads, 140 kernels in one CUDA graph); every kernel also moves S bytes of fresh data out of HBM (its
-// CTAs' shares, a 1 GB buffer walked so nothing is in L2), issued by the CTA's thread 0:
-//   how 0: bulk L2 prefetches (cp.async.bulk.prefetch.L2, 16 KB pieces), nothing waits for them
+// CTAs' shares, a 1 GB buffer walked so nothing is in L2):
+//   how 0: bulk L2 prefetches (cp.async.bulk.prefetch.L2, 16 KB pieces) from thread 0, nothing waits for them
 //   how 1: line prefetches (prefetch.global.L2::evict_last from warp 1's lanes), nothing waits for them
-//   how 2: bulk copies into shared memory (16 KB pieces into one 16 KB buffer), waited for before the CTA exits
+//   how 2: bulk copies into shared memory from thread 0 (16 KB pieces into one 16 KB buffer), waited for before the
+//          CTA exits
 // where 0: before the PDL wait; 1: right after it (before the row read).
 // Prints us a kernel and the stream's rate if the kernel's time carried it. The "lonely" rows put all of the
 // 140 kernels' bytes into every 4th kernel: if a kernel's end waited for its prefetches, those kernels would take
 // ~4x as long and the chain the same; if not, the chain stays at the hop.
 // "row by bulk copy": the chain's row read through the TMA unit as well (does a CTA's copy queue behind its prefetches?)
 //   nvcc -O3 -gencode arch=compute_90,code=sm_90 -o /tmp/stream_beside scripts/stream_beside_bench.cu && /tmp/stream_beside
+// (any argument, e.g. `tma`: only the "row by bulk copy" rows)
 #include <cuda_bf16.h>
 
 #include "../csrc/common.cuh"  // mbarriers and bulk copies
