@@ -147,8 +147,12 @@ def engine_step(libraries):
     for kind in ("qkv", "o", "gate_up", "down"):
         report([r for r in records if r[0] == GEMV and owners.get(r[1], (0, None))[1] == kind], GEMV,
                f"engine decode step, {kind}")
-    timeline(records, owners, len(llm.llm_engine.model_runner.model.model.layers))
-    crowding(records, owners, len(llm.llm_engine.model_runner.model.model.layers))
+    num_layers = len(llm.llm_engine.model_runner.model.model.layers)
+    timeline(records, owners, num_layers)
+    crowding(records, owners, num_layers)
+    config = llm.llm_engine.model_runner.hf_config
+    head_readiness(records, owners, num_layers, config.num_attention_heads, config.num_key_value_heads,
+                   config.head_dim)
     clusters = {}
     for r in records:
         if r[0] == ATTENTION:
@@ -231,6 +235,41 @@ def crowding(records, owners: dict, num_layers: int):
                 ends.setdefault(per_sm[r[3]], []).append(r[4 + end] - origin)
         print(f"  {kind}: SMs holding n of its CTAs {dict(sorted(held.items()))}; mean CTA end by n: "
               + ", ".join(f"{n}: {sum(v) / len(v):,.0f}" for n, v in sorted(ends.items())))
+
+
+def head_readiness(records, owners: dict, num_layers: int, heads: int, kv_heads: int, head_dim: int):
+    """How much earlier the attention could start if each kv head waited only for the qkv CTAs holding its rows
+    (its q heads', its k's and its v's), or began on its q rows alone (the cached positions need no k or v of this
+    step), instead of the whole qkv GEMV: over the middle layers, ns before the qkv GEMV's last CTA end at which a
+    head's rows were all written (a CTA's end stamp: its warp 0's last row), for the mean head and the last head
+    (the one the o GEMV waits for), and the attention's first wait return for scale."""
+    groups = by_kernel(records, owners)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    n = q_size + 2 * kv_size
+    group = heads // kv_heads
+    figures = {"all rows, mean head": [], "all rows, last head": [], "q rows, mean head": [], "q rows, last head": [],
+               "attention's first wait return (after)": []}
+    for layer in range(1, num_layers - 1):
+        qkv, attention = groups.get((layer, "qkv"), []), groups.get((layer, "attention"), [])
+        if not qkv or not attention:
+            return
+        per_cta = -(-n // len(qkv))
+        end = {r[2] % 1000: r[4 + MOMENTS[GEMV][2]] for r in qkv}
+        last = max(end.values())
+        before_all, before_q = [], []
+        for h in range(kv_heads):
+            q = range(h * group * head_dim, (h + 1) * group * head_dim)
+            kv = [*range(q_size + h * head_dim, q_size + (h + 1) * head_dim),
+                  *range(q_size + kv_size + h * head_dim, q_size + kv_size + (h + 1) * head_dim)]
+            before_q.append(last - max(end[row // per_cta] for row in q))
+            before_all.append(last - max(end[row // per_cta] for row in (*q, *kv)))
+        for name, values in (("all rows", before_all), ("q rows", before_q)):
+            figures[f"{name}, mean head"].append(sum(values) / len(values))
+            figures[f"{name}, last head"].append(min(values))
+        figures["attention's first wait return (after)"].append(min(r[4 + MOMENTS[ATTENTION][1]] for r in attention)
+                                                                - last)
+    print(f"  a kv head's qkv rows written, ns before the qkv GEMV's last CTA end (mean of layers 1-{num_layers - 2}): "
+          + ", ".join(f"{name} {sum(v) / len(v):,.0f}" for name, v in figures.items()))
 
 
 def graphs(libraries):
