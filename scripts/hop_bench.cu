@@ -64,10 +64,7 @@ __device__ float ll_sum_of_squares(const uint4* lines, unsigned flag, float* sum
     const __nv_bfloat162 pair = *reinterpret_cast<const __nv_bfloat162*>(&bits);
     a += __bfloat162float(pair.x) * __bfloat162float(pair.x) + __bfloat162float(pair.y) * __bfloat162float(pair.y);
   }
-  for (int o = 16; o; o /= 2) a += __shfl_xor_sync(~0u, a, o);
-  if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = a;
-  __syncthreads();
-  return sums[0] + sums[1] + sums[2] + sums[3];
+  return block_sum(a, sums);
 }
 
 // The CTA's share of the next row (every line is written by some CTA: line blockIdx.x + t * gridDim.x, thread t).

@@ -5,6 +5,14 @@
 
 constexpr int kThreads = 128, kK = 1024, kOut = 4;
 
+// a summed over the CTA (the warps' sums meet in sums)
+__device__ __forceinline__ float block_sum(float a, float* sums) {
+  for (int o = 16; o; o /= 2) a += __shfl_xor_sync(~0u, a, o);
+  if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = a;
+  __syncthreads();
+  return sums[0] + sums[1] + sums[2] + sums[3];
+}
+
 // The row (through L2 where the kernel before wrote it; SHARED: already in shared memory) and its sum of squares
 // over the CTA (an RMSNorm's reduction).
 template <bool SHARED = false>
@@ -14,8 +22,5 @@ __device__ __forceinline__ float sum_of_squares(const __nv_bfloat16* x, float* s
   const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&v);
   float a = 0.f;
   for (int i = 0; i < 8; ++i) a += __bfloat162float(e[i]) * __bfloat162float(e[i]);
-  for (int o = 16; o; o /= 2) a += __shfl_xor_sync(~0u, a, o);
-  if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = a;
-  __syncthreads();
-  return sums[0] + sums[1] + sums[2] + sums[3];
+  return block_sum(a, sums);
 }
