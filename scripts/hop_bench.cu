@@ -88,19 +88,13 @@ __global__ void __launch_bounds__(kThreads) hop(const __nv_bfloat16* x, __nv_bfl
     ll_write(reinterpret_cast<uint4*>(y), s, k + 1);
     return;
   }
-  if (MODE == 9) {
-    if (k > 0) {
-      if (threadIdx.x == 0) while (ld_acquire(counters + k - 1) < gridDim.x) {}
-      __syncthreads();
-    }
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  }
   if (MODE != 2 && MODE != 9) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // at the start
   if (MODE == 0 || MODE == 5 || MODE == 6) asm volatile("griddepcontrol.wait;" ::: "memory");
-  if ((MODE == 1 || MODE == 3) && k > 0) {
+  if ((MODE == 1 || MODE == 3 || MODE == 9) && k > 0) {
     if (threadIdx.x == 0) while (ld_acquire(counters + k - 1) < gridDim.x) { if (MODE == 3) __nanosleep(64); }
     __syncthreads();
   }
+  if (MODE == 9) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // once the counter is seen
   const float s = STAGE ? sum_of_squares(x, sums) : 1.f;
   if (threadIdx.x < kOut) y[(blockIdx.x * kOut + threadIdx.x) % kK] = __float2bfloat16(rsqrtf(s / kK + 1e-6f) * 0.5f);
   if (MODE == 1 || MODE == 3 || MODE == 9) {
