@@ -67,6 +67,14 @@ __device__ float ll_sum_of_squares(const uint4* lines, unsigned flag, float* sum
   return block_sum(a, sums);
 }
 
+// Stage k's input, flag k (none at k = 0): the row's sum of squares, or with STAGE 0 one line (the hop alone).
+template <int STAGE, bool LEAD>
+__device__ __forceinline__ float ll_input(const uint4* lines, int k, float* sums) {
+  if (k > 0 && STAGE) return ll_sum_of_squares<LEAD>(lines, k, sums);
+  if (k > 0) ll_wait_line(lines, k);
+  return 1.f;
+}
+
 // The CTA's share of the next row (every line is written by some CTA: line blockIdx.x + t * gridDim.x, thread t).
 __device__ __forceinline__ void ll_write(uint4* lines, float s, unsigned flag) {
   const int line = blockIdx.x + threadIdx.x * gridDim.x;
@@ -81,9 +89,7 @@ template <int MODE, int STAGE, bool LEAD = MODE == 11>
 __global__ void __launch_bounds__(kThreads) hop(const __nv_bfloat16* x, __nv_bfloat16* y, unsigned* counters, int k) {
   __shared__ float sums[kThreads / 32];
   if (MODE == 8 || MODE == 11) {  // row k - 1 -> k, flags k and k + 1
-    const uint4* in = reinterpret_cast<const uint4*>(x);
-    const float s = k > 0 && STAGE ? ll_sum_of_squares<LEAD>(in, k, sums) : 1.f;
-    if (k > 0 && !STAGE) ll_wait_line(in, k);  // the hop alone
+    const float s = ll_input<STAGE, LEAD>(reinterpret_cast<const uint4*>(x), k, sums);
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
     ll_write(reinterpret_cast<uint4*>(y), s, k + 1);
     return;
@@ -127,10 +133,7 @@ template <int STAGE, bool LEAD>
 __global__ void __launch_bounds__(kThreads) ll_stages(uint4* rows, int chain) {
   __shared__ float sums[kThreads / 32];
   for (int k = 0; k < chain; ++k) {
-    const uint4* x = rows + (k % 2) * kLines;
-    float s = 1.f;
-    if (k > 0 && STAGE) s = ll_sum_of_squares<LEAD>(x, k, sums);
-    if (k > 0 && !STAGE) ll_wait_line(x, k);
+    const float s = ll_input<STAGE, LEAD>(rows + (k % 2) * kLines, k, sums);
     ll_write(rows + ((k + 1) % 2) * kLines, s, k + 1);
   }
 }
