@@ -73,18 +73,15 @@ def prepare_decode_inputs(positions: torch.Tensor, seq_lens: torch.Tensor, slot_
     table [vocab, hidden] (contiguous): returns the rows' embeddings [R, hidden], else None."""
     rows = positions.shape[0]
     assert block_tables.stride(1) == 1
-    hidden = None
+    hidden, embed_args, embed_block = None, (positions, positions, positions, 0), 0  # no gather: unused pointers
     if embedding is not None:
         assert embedding.is_contiguous() and input_ids.shape == (rows,)
         hidden = torch.empty(rows, embedding.shape[1], dtype=embedding.dtype, device=embedding.device)
-    programs = triton.cdiv(rows, ROWS_PER_PROGRAM) + (rows if hidden is not None else 0)
-    _prepare_kernel[(programs,)](
+        embed_args, embed_block = (input_ids, embedding, hidden, hidden.shape[1]), triton.next_power_of_2(hidden.shape[1])
+    _prepare_kernel[(triton.cdiv(rows, ROWS_PER_PROGRAM) + (rows if hidden is not None else 0),)](
         positions, seq_lens, slot_mapping, block_tables, block_tables.stride(0), num_rows, rows, scratch_block,
-        ring_state if ring_rows else num_rows, input_ids if hidden is not None else positions,
-        embedding if hidden is not None else positions, hidden if hidden is not None else positions,
-        hidden.shape[1] if hidden is not None else 0, RING_ROWS=ring_rows, BLOCK_SIZE=block_size,
-        BLOCK=ROWS_PER_PROGRAM, EMBED_BLOCK=triton.next_power_of_2(hidden.shape[1]) if hidden is not None else 0,
-        **pdl_launch(positions.device))
+        ring_state if ring_rows else num_rows, *embed_args, RING_ROWS=ring_rows, BLOCK_SIZE=block_size,
+        BLOCK=ROWS_PER_PROGRAM, EMBED_BLOCK=embed_block, **pdl_launch(positions.device))
     return hidden
 
 
