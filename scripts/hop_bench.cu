@@ -147,7 +147,6 @@ const char* const kModeNames[] = {
 
 template <int MODE, int STAGE>
 int run(int ctas, int chain, __nv_bfloat16* rows, unsigned* counters, cudaStream_t stream) {
-  cudaGraph_t graph;
   CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   cudaMemsetAsync(counters, 0, chain * sizeof(unsigned), stream);
   if (MODE == 7 || MODE == 8 || MODE == 10 || MODE == 11) cudaMemsetAsync(rows, 0, 2 * kLines * sizeof(uint4), stream);
@@ -169,12 +168,7 @@ int run(int ctas, int chain, __nv_bfloat16* rows, unsigned* counters, cudaStream
     const int row = MODE == 8 || MODE == 11 ? 2 * kK : kK;  // elements: an LL row is 4 KB, twice a bf16 row
     CHECK(cudaLaunchKernelEx(&config, hop<MODE, STAGE>, rows + (k % 2) * row, rows + ((k + 1) % 2) * row, counters, k));
   }
-  CHECK(cudaStreamEndCapture(stream, &graph));
-  float us;
-  if (time_graph(graph, stream, &us)) return 1;
-  printf("| %s | %s | %d | %d | %.3f |\n", kModeNames[MODE], STAGE ? "row read + block sum" : "none", ctas, chain,
-         us / chain);
-  return 0;
+  return print_chain_row(stream, kModeNames[MODE], STAGE, ctas, chain);
 }
 
 // both stages of one mode

@@ -3,6 +3,8 @@
 #pragma once
 #include <cuda_bf16.h>
 
+#include "graph_timing.cuh"
+
 constexpr int kThreads = 128, kK = 1024, kOut = 4;
 
 // a summed over the CTA (the warps' sums meet in sums)
@@ -23,4 +25,12 @@ __device__ __forceinline__ float sum_of_squares(const __nv_bfloat16* x, float* s
   float a = 0.f;
   for (int i = 0; i < 8; ++i) a += __bfloat162float(e[i]) * __bfloat162float(e[i]);
   return block_sum(a, sums);
+}
+
+// Ends the capture of a chain of `chain` kernels on stream, times it and prints its table row (us a kernel).
+inline int print_chain_row(cudaStream_t stream, const char* name, int stage, int ctas, int chain) {
+  float us;
+  if (time_capture(stream, &us)) return 1;
+  printf("| %s | %s | %d | %d | %.3f |\n", name, stage ? "row read + block sum" : "none", ctas, chain, us / chain);
+  return 0;
 }

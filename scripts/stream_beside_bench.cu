@@ -84,7 +84,6 @@ __global__ void __launch_bounds__(kThreads) hop(const __nv_bfloat16* x, __nv_bfl
 template <int HOW, int WHERE, int ROW_TMA = 0>
 int run(const char* label, size_t bytes, bool lonely, __nv_bfloat16* rows, const char* buffer, cudaStream_t stream) {
   const int ctas = 264, chain = 140;
-  cudaGraph_t graph;
   CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   size_t offset = 0;
   for (int k = 0; k < chain; ++k) {
@@ -95,9 +94,8 @@ int run(const char* label, size_t bytes, bool lonely, __nv_bfloat16* rows, const
     CHECK(cudaLaunchKernelEx(&config, hop<HOW, WHERE, ROW_TMA>, rows + (k % 2) * kK, rows + ((k + 1) % 2) * kK, buffer + offset, mine));
     offset += mine;
   }
-  CHECK(cudaStreamEndCapture(stream, &graph));
   float us;
-  if (time_graph(graph, stream, &us)) return 1;
+  if (time_capture(stream, &us)) return 1;
   const float hop = us / chain;
   printf("| %s%s | %s | %.2f MB%s | %.3f | %.2f |\n", label, ROW_TMA ? ", row by bulk copy" : "", WHERE ? "after the wait" : "before the wait", bytes / 1048576.0,
          lonely ? " (x4 in every 4th kernel)" : "", hop, bytes / (hop * 1e-6) / 1e12);
