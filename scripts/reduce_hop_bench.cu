@@ -15,6 +15,7 @@
 // stage 0: no input read; 1: the input row read through L2 + a block-wide sum (an RMSNorm's reduction).
 //   nvcc -O3 -gencode arch=compute_90,code=sm_90 -o /tmp/reduce_hop_bench scripts/reduce_hop_bench.cu && /tmp/reduce_hop_bench
 #include <cstdlib>
+#include <type_traits>
 
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -26,10 +27,6 @@ namespace cg = cooperative_groups;
 
 constexpr int kCluster = 8, kPer = kK / kThreads;  // 8 elements a thread
 constexpr float kFixed = 4294967296.f;  // 2^32
-
-template <int MODE> struct Acc { using T = float; };
-template <> struct Acc<2> { using T = unsigned long long; };
-template <> struct Acc<4> { using T = unsigned long long; };
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(unsigned long long v) { return __ll2float_rn(static_cast<long long>(v)) / kFixed; }
@@ -55,7 +52,7 @@ __device__ __forceinline__ void add(unsigned long long* y, const float* v, int n
 
 template <int MODE, int STAGE>
 __global__ void __launch_bounds__(kThreads) reduce_hop(void* rows_, int k) {
-  using T = typename Acc<MODE>::T;
+  using T = std::conditional_t<MODE == 2 || MODE == 4, unsigned long long, float>;  // the accumulator's word
   __shared__ float sums[kThreads / 32];
   __shared__ float partial[MODE >= 3 ? kK : 1];
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
