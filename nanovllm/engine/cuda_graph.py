@@ -162,9 +162,13 @@ class CUDAGraphRunner:
     def replay(self, n: int) -> torch.Tensor:
         """The step graph on the buffers as they are (filled by run(), or moved on by a sampling graph or advance()):
         the logits of the batch's n rows."""
-        self.graphs[self._bucket(n)].replay()
-        self.replays += 1
+        self._replay_step(self.graphs[self._bucket(n)])
         return self.logits[:n]
+
+    def _replay_step(self, graph: torch.cuda.CUDAGraph):
+        """Replays a graph that runs a decode step, counted as ring_state[0] counts it on the device."""
+        graph.replay()
+        self.replays += 1
 
     def ring_tokens(self, n: int) -> torch.Tensor:
         """Where the host finds the n tokens of the last step replayed, once its sampling (graph or advance()) has
@@ -194,8 +198,7 @@ class CUDAGraphRunner:
         """The next step of the batch that the last sample() left in the buffers: its tokens."""
         bucket = self._bucket(n)
         if bucket in self.steady_graphs:
-            self.steady_graphs[bucket].replay()
-            self.replays += 1
+            self._replay_step(self.steady_graphs[bucket])
         else:
             self.replay(n)
             self.sample_graphs[bucket].replay()
