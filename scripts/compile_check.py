@@ -21,12 +21,13 @@ from triton.runtime.jit import JITFunction
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "compile_check compiles kernels: run it without TRITON_INTERPRET=1"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles  # noqa: E402
 from nanovllm.kernels.activation import silu_and_mul  # noqa: E402
 from nanovllm.kernels.decode_inputs import advance_decode_inputs, prepare_decode_inputs  # noqa: E402
 from nanovllm.kernels.embedding import embedding  # noqa: E402
 from nanovllm.kernels.gemv import gemv  # noqa: E402
 from nanovllm.kernels.kv_store import store_kv  # noqa: E402
-from nanovllm.kernels.paged_attention import paged_decode, paged_prefill, prefill_tile_tokens, prefill_tiles  # noqa: E402
+from nanovllm.kernels.paged_attention import paged_decode, paged_prefill  # noqa: E402
 from nanovllm.kernels.rms_norm import rms_norm  # noqa: E402
 from nanovllm.kernels.rotary import rotary_  # noqa: E402
 from nanovllm.kernels.sampling import gumbel_argmax  # noqa: E402
@@ -102,8 +103,7 @@ def launch_everything():
         layers = ((4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024), (28672, 4096))
         for rows in (1, 16):  # fp32 GEMVs run only in the kernel tests, at their shapes
             for n, k_dim in layers if dtype == torch.bfloat16 else ((4096, 1024), (1024, 3072)):
-                for l2_prefetch in (False, True):
-                    gemv(torch.randn(rows, k_dim, dtype=dtype), torch.empty(n, k_dim, dtype=dtype), l2_prefetch=l2_prefetch)
+                gemv(torch.randn(rows, k_dim, dtype=dtype), torch.empty(n, k_dim, dtype=dtype))
         gemv(torch.randn(3, 300, dtype=dtype), torch.randn(33, 300, dtype=dtype), torch.randn(33, dtype=dtype))
         for rows in (24, 64) if dtype == torch.bfloat16 else ():  # 17-64 rows (NANOVLLM_GEMV_ROWS above 16)
             for n, k_dim in layers:

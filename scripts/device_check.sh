@@ -17,7 +17,7 @@ gpu_tests() {  # log name, test files
 }
 if [[ $what == tests || $what == tests1 || $what == all ]]; then  # the engine and the CUDA kernels
   gpu_tests tests1 tests/test_gpu.py tests/test_flash_attn_backend.py tests/test_gemv_one_row.py \
-    tests/test_paged_decode_cluster.py tests/test_cuda_library.py tests/test_decode_layers.py
+    tests/test_paged_decode_cluster.py tests/test_cuda_library.py
 fi
 if [[ $what == tests || $what == tests2 || $what == all ]]; then  # the Triton kernels and layers
   gpu_tests tests2 tests/test_triton_kernels.py tests/test_layers.py
@@ -26,8 +26,8 @@ if [[ $what == bench || $what == all ]]; then
   python3 bench.py --repeat 3 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -10
   python3 bench.py --max-num-batched-tokens 8192 2>&1 | grep -v INFO | tee "$OUT/bench_throughput_8k.md" | tail -3
   python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO | tee "$OUT/bench_decode1_qwen3.md" | tail -5
-  for flags in NANOVLLM_GEMV_L2_PREFETCH=1 NANOVLLM_GEMV_CUDA=0 NANOVLLM_DECODE_CUDA=0; do
-    echo "decode1 with $flags (the experimental L2 prefetch; the Triton GEMV / decode attention instead of the CUDA one)"
+  for flags in NANOVLLM_GEMV_CUDA=0 NANOVLLM_DECODE_CUDA=0; do
+    echo "decode1 with $flags (the Triton GEMV / decode attention instead of the CUDA one)"
     env $flags python3 bench.py --mode decode1 --model qwen3-0.6b 2>&1 | grep -v INFO \
       | tee "$OUT/bench_decode1_qwen3_${flags// /_}.md" | tail -1
   done
@@ -39,11 +39,8 @@ if [[ $what == profile ]]; then  # where the time goes: steps, kernels, and the 
   python3 scripts/attention_sweep.py 256 2048 2>&1 | tee "$OUT/attention_sweep.md" | tail -3
   python3 scripts/gemv_sweep.py 2>&1 | tee "$OUT/gemv_sweep.md" | tail -3
 fi
-if [[ $what == gemv ]]; then  # one-row GEMVs kernel by kernel: L2 prefetch of W, the CUDA one-row kernel
-  python3 scripts/gemv_sweep.py l2 2>&1 | tee "$OUT/gemv_l2_prefetch.md" | tail -20
+if [[ $what == gemv ]]; then  # one-row GEMVs kernel by kernel: the Triton GEMV against the CUDA one-row kernel
   python3 scripts/gemv_sweep.py one_row 2>&1 | tee "$OUT/gemv_one_row.md" | tail -11
-  NANOVLLM_GEMV_L2_PREFETCH=1 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py 2>&1 \
-    | grep -v "Loading weights" | tee "$OUT/gpu_tests_gemv_experiments.log" | tail -8
 fi
 if [[ $what == peer ]]; then  # after scripts/build_llama_cpp.sh
   python3 scripts/peer_llama_cpp.py F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp.md" | tail -4

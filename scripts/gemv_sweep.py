@@ -1,8 +1,7 @@
 """The small-batch GEMV kernel against F.linear (cuBLAS) and HBM bandwidth, at real layer shapes.
-usage: python scripts/gemv_sweep.py [tiles|l2|one_row]
-tiles (default): the best of CONFIGS per shape; l2: the shipped tiles without and with the L2 prefetch of W
-before the PDL wait (back to back in one graph, each GEMV's prefetch overlaps the one before); one_row: one row of
-x, the Triton GEMV against the CUDA one-row kernel in each of its modes (back to back in one graph)."""
+usage: python scripts/gemv_sweep.py [tiles|one_row]
+tiles (default): the best of CONFIGS per shape; one_row: one row of x, the Triton GEMV against the CUDA one-row
+kernel in each of its modes (back to back in one graph)."""
 import itertools
 import sys
 
@@ -21,20 +20,6 @@ SHAPES = {  # (N, K) of each projection
     "llama3-8b down": (4096, 14336),
 }
 CONFIGS = list(itertools.product((16, 32, 64), (128, 256, 512), (3, 4, 6), (4,)))
-
-
-def l2_prefetch_table(bw):
-    print("| shape | M | F.linear us | shipped gemv us | of bw | with L2 prefetch us | of bw |\n|---|---|---|---|---|---|---|")
-    for name, (n, k) in SHAPES.items():
-        nbytes = n * k * 2
-        weights = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies_needed(nbytes))]
-        for m in (1, 16):
-            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-            base = graph_time([lambda w=w: F.linear(x, w) for w in weights])
-            plain, l2 = (graph_time([lambda w=w: gemv(x, w, l2_prefetch=on) for w in weights]) for on in (False, True))
-            print(f"| {name} | {m} | {base * 1e6:.1f} | {plain * 1e6:.1f} | {nbytes / plain / bw:.0%} | {l2 * 1e6:.1f} "
-                  f"| {nbytes / l2 / bw:.0%} |")
-        del weights
 
 
 def one_row_table(bw):
@@ -63,8 +48,8 @@ def one_row_table(bw):
 
 bw = measure_hbm_bandwidth()
 print(f"{torch.cuda.get_device_name()}, copy bandwidth {bw / 1e12:.2f} TB/s, bf16")
-if sys.argv[1:] in (["l2"], ["one_row"]):
-    (l2_prefetch_table if sys.argv[1] == "l2" else one_row_table)(bw)
+if sys.argv[1:] == ["one_row"]:
+    one_row_table(bw)
     sys.exit()
 print("| shape | M | F.linear us | of bw | best gemv us | of bw | speedup | config (block_n, block_k, stages, warps) |")
 print("|---|---|---|---|---|---|---|---|")

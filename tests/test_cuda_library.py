@@ -7,7 +7,7 @@ import torch
 
 from nanovllm.kernels import cuda_library
 
-SOURCES = {"decode_layers": "nanovllm_decode_layers", "gemv_one_row": "nanovllm_gemv_one_row",
+SOURCES = {"gemv_one_row": "nanovllm_gemv_one_row",
            "paged_decode_cluster": "nanovllm_paged_decode_cluster"}
 
 
@@ -31,11 +31,11 @@ def test_entry_point_builds_types_and_logs_once(tmp_path, monkeypatch):
     monkeypatch.setattr(cuda_library, "log_once", said.append)
     argtypes = [ctypes.c_int, ctypes.c_void_p]
     for _ in range(2):
-        assert cuda_library.entry_point("decode_layers", torch.device("cuda", 7), "NANOVLLM_X", argtypes, "on") is None
-    entry = cuda_library.library("decode_layers").nanovllm_decode_layers
+        assert cuda_library.entry_point("gemv_one_row", torch.device("cuda", 7), "NANOVLLM_X", argtypes, "on") is None
+    entry = cuda_library.library("gemv_one_row").nanovllm_gemv_one_row
     assert entry.restype is ctypes.c_int and entry.argtypes == argtypes and said == ["on"]
     monkeypatch.setenv("NANOVLLM_Y", "0")
-    assert cuda_library.entry_point("decode_layers", torch.device("cuda", 6), "NANOVLLM_Y", argtypes, "on",
+    assert cuda_library.entry_point("gemv_one_row", torch.device("cuda", 6), "NANOVLLM_Y", argtypes, "on",
                                     "off ({reason})") == "NANOVLLM_Y=0"
     assert said == ["on", "off (NANOVLLM_Y=0)"]
 
@@ -75,12 +75,3 @@ def test_kernel_phases_keeps_the_first_decode_step_only(monkeypatch):
     two_steps = one_step + [record(1, 800_000), record(1, 801_000), record(2, 805_000)]
     assert kernel_phases.first_step(two_steps, owners) == one_step
     assert kernel_phases.first_step(one_step, owners) == one_step
-
-
-@pytest.mark.skipif(cuda_library.nvcc() is None, reason="no nvcc on this machine")
-def test_tile_dot_bench_compiles(tmp_path, monkeypatch):
-    """scripts/tile_dot_bench.py (a GPU microbenchmark named in docs/benchmarks.md) still builds against common.cuh."""
-    monkeypatch.syspath_prepend(str(cuda_library.CSRC.parent / "scripts"))
-    import tile_dot_bench
-
-    assert hasattr(tile_dot_bench.build(str(tmp_path)), "run")

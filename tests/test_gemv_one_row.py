@@ -133,7 +133,8 @@ def test_fits_only_weights_whose_slice_fits_shared_memory():
 def test_norm_then_project_fuses_one_row_on_the_gpu_only(with_residual):
     """The decoder layer's norm + projection pair on the GEMV linear method: one fused kernel for one row on a GPU
     (the unfused pair elsewhere, and for two rows); the same outputs and next residual as the unfused pair."""
-    from nanovllm.layers.linear import QKVLinear, TritonGemvLinearMethod
+    from nanovllm.layers.gemv_linear import TritonGemvLinearMethod
+    from nanovllm.layers.linear import QKVLinear
     from nanovllm.models.llama import _norm_then_project
 
     device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
@@ -158,7 +159,7 @@ def _mlps():
     import copy
     from types import SimpleNamespace
 
-    from nanovllm.layers.linear import TritonGemvLinearMethod
+    from nanovllm.layers.gemv_linear import TritonGemvLinearMethod
     from nanovllm.models.llama import LlamaMLP
 
     device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)

@@ -8,9 +8,8 @@ padding that attend to one token in a scratch KV block, so they stay finite and 
 prefill tokens past the real ones store their K/V in that scratch block and belong to no attention tile."""
 import torch
 
-from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.metadata import AttentionMetadata, prefill_tile_tokens
 from nanovllm.kernels.decode_inputs import advance_decode_inputs, prepare_decode_inputs
-from nanovllm.kernels.paged_attention import prefill_tile_tokens
 from nanovllm.kernels.sampling import gumbel_argmax
 
 TOKEN_RING_ROWS = 4  # > the steps in flight: the host reads a step's row before the step after the next is launched

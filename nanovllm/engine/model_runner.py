@@ -1,28 +1,29 @@
 import itertools
 import operator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from nanovllm.attention import AttentionMetadata, get_attention_backend
+from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles
 from nanovllm.config import Config
 from nanovllm.engine.cpu_allocator import keep_freed_memory
-from nanovllm.engine.cuda_graph import CUDAGraphRunner, PrefillCUDAGraphRunner, graph_batch_sizes
 from nanovllm.engine.sequence import Sequence
-from nanovllm.kernels import decode_layers, gemv_one_row, pdl
-from nanovllm.kernels import gemv as gemv_kernels
-from nanovllm.kernels.paged_attention import prefill_tile_tokens, prefill_tiles
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import LMHead
-from nanovllm.layers.linear import CpuPackedLinearMethod, LinearBase, TritonGemvLinearMethod, UnquantizedLinearMethod
+from nanovllm.layers.linear import CpuPackedLinearMethod, LinearBase, UnquantizedLinearMethod
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.logger import log_once, logger
 from nanovllm.models import get_model_class
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.weights.model_files import iterate_weights
+
+if TYPE_CHECKING:
+    from nanovllm.engine.cuda_graph import CUDAGraphRunner, PrefillCUDAGraphRunner
 
 CPU_KV_CACHE_BYTES = 4 << 30
 PROMPT_LOGPROBS_CHUNK = 1024  # rows of [rows, vocab] fp32 logits alive at once while scoring prompts
@@ -123,13 +124,12 @@ class ModelRunner:
         self._choose_layer_kernels()
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
-        self._choose_decode_layers()
         if self.device.type == "cpu":
             keep_freed_memory()  # after loading: load-time temporaries are returned to the OS as before
         self.sampler = Sampler(use_triton=self.fast_kernels)
         self.graphs, self.prefill_graphs = self._capture_cuda_graphs()
         # on CUDA the LM head runs on row counts padded to these buckets, each warmed up below
-        self.logit_row_buckets = graph_batch_sizes(config.max_num_seqs) if self.device.type == "cuda" else None
+        self.logit_row_buckets = self._logit_row_buckets()
         self._warm_up_sampling()
         self.weight_bytes = weight_bytes_per_step(self.model)
         self.kv_bytes_per_token = self.kv_bytes_per_block() // self.block_size
@@ -150,12 +150,21 @@ class ModelRunner:
     def _captures_prefill_graphs(self) -> bool:
         return self._graph_skip_reason() is None and self.backend.supports_prefill_graphs
 
-    def _capture_cuda_graphs(self) -> tuple[CUDAGraphRunner | None, PrefillCUDAGraphRunner | None]:
+    def _logit_row_buckets(self) -> list[int] | None:
+        if self.device.type != "cuda":
+            return None
+        from nanovllm.engine.cuda_graph import graph_batch_sizes  # CUDA only: it imports the Triton kernels
+
+        return graph_batch_sizes(self.config.max_num_seqs)
+
+    def _capture_cuda_graphs(self) -> tuple["CUDAGraphRunner | None", "PrefillCUDAGraphRunner | None"]:
         skip = self._graph_skip_reason()
         if skip is not None:
             if self.device.type == "cuda":
                 log_once(skip)
             return None, None
+        from nanovllm.engine.cuda_graph import CUDAGraphRunner, PrefillCUDAGraphRunner
+
         cfg, mc = self.config, self.config.model_config
         blocks_per_seq = _round_up(-(-mc.max_model_len // self.block_size), ALIGN)
         decode = CUDAGraphRunner(self.model, min(cfg.max_num_seqs, 512), blocks_per_seq, mc.max_model_len,
@@ -212,10 +221,10 @@ class ModelRunner:
             log_once("CPU linears: oneDNN packed fp32 weights")
             method = CpuPackedLinearMethod
         elif self.fast_kernels and self.dtype != torch.float32:
-            log_once(f"CUDA linears: Triton GEMV up to {gemv_kernels.GEMV_ROWS} rows, cuBLAS above")
-            if gemv_kernels.L2_PREFETCH:
-                log_once("NANOVLLM_GEMV_L2_PREFETCH=1: GEMVs prefetch their weight rows into L2 before the PDL wait "
-                         "(experimental)")
+            from nanovllm.kernels import gemv_one_row
+            from nanovllm.layers.gemv_linear import GEMV_ROWS, TritonGemvLinearMethod
+
+            log_once(f"CUDA linears: Triton GEMV up to {GEMV_ROWS} rows, cuBLAS above")
             gemv_one_row.why_off(self.device)  # builds the one-row kernel now (not in a graph capture), logs the path
             method = TritonGemvLinearMethod
         else:
@@ -237,20 +246,12 @@ class ModelRunner:
             if use_triton and isinstance(module, RotaryEmbedding):
                 module.tables(self.dtype)  # cast now, never inside a CUDA graph capture
         if use_triton:
+            from nanovllm.kernels import pdl
+
             log_once("fused Triton layers: RMSNorm (+ residual add), SiLU-and-mul, rotary (+ q/k RMSNorm), embedding gather")
             off = pdl.why_off(self.device)
             log_once("Triton kernels use programmatic dependent launch" if off is None else
                      f"programmatic dependent launch is off ({off}): kernels launch one after another")
-
-    def _choose_decode_layers(self):
-        """bs=1 decode steps run every layer in one persistent kernel where it can (kernels/decode_layers.py)."""
-        if not self.fast_kernels or self.dtype == torch.float32:
-            return
-        reason = decode_layers.why_not(self.model, self.config.model_config.max_model_len, self.dtype, self.device)
-        if reason is not None:
-            log_once(f"bs=1 decode steps run the layers kernel by kernel: the one-kernel path is off ({reason})")
-            return
-        self.model.model.decode_layers = decode_layers.DecodeLayers(self.model)
 
     # ---- KV cache -------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:

@@ -1,9 +1,7 @@
 """y = x W^T (+ b) for up to 64 rows of x (decode at small batch), where reading W is the whole cost.
 Each program owns BLOCK_N output columns and streams their rows of W once, pipelined; the x rows ride
 along padded to BLOCK_M = 16, 32 or 64 (one row of x on the H100 goes to the CUDA kernel of gemv_one_row where it
-fits). With l2_prefetch (experimental, NANOVLLM_GEMV_L2_PREFETCH=1; bs=1 decode within its
-run-to-run spread, so off), each program first asks L2 for its rows of W, before the PDL wait. Reference:
-F.linear."""
+fits). Reference: F.linear."""
 import os
 
 import torch
@@ -11,9 +9,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.l2_prefetch import prefetch_rows_l2
 from nanovllm.kernels.pdl import pdl_launch, wait_then_release
-from nanovllm.logger import log_once
 
 MAX_ROWS = 64
 # the linears' GEMV up to this many rows, cuBLAS above: at 17-64 rows it beat cuBLAS at every Qwen3-0.6B shape on
@@ -26,18 +22,15 @@ def _gemv_rows(value: str) -> int:
 
 
 GEMV_ROWS = _gemv_rows(os.environ.get("NANOVLLM_GEMV_ROWS", str(MAX_ROWS)))
-L2_PREFETCH = os.environ.get("NANOVLLM_GEMV_L2_PREFETCH", "0") == "1"
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                  HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, L2_PIECES: tl.constexpr, PDL: tl.constexpr):
+                 PRECISION: tl.constexpr, PDL: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < N
-    # W is read-only: its rows may start toward L2 while the kernel before is still running
-    prefetch_rows_l2(w_ptr + tl.where(col_ok, cols, 0).to(tl.int64) * stride_wn, K, L2_PIECES, PDL)
     wait_then_release(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
@@ -69,21 +62,8 @@ def launch_config(n: int, k: int, block_m: int = 16) -> dict:
     return dict(block_n=64, block_k=128, num_stages=5 if n <= 8192 else 3, num_warps=4)
 
 
-def _l2_pieces(weight: torch.Tensor, block_n: int, num_warps: int) -> int:
-    """Bulk prefetch requests per row of W: one per thread in all; 0 where the rows are not 16-byte aligned
-    pieces."""
-    pieces = max(1, 32 * num_warps // block_n)
-    row_bytes = weight.shape[1] * weight.element_size()
-    aligned = weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0
-    if aligned and row_bytes % (16 * pieces) == 0:
-        return pieces
-    log_once(f"GEMV L2 prefetch: a weight of {row_bytes}-byte rows does not split into 16-byte aligned pieces; "
-             "its GEMVs run without the prefetch")
-    return 0
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, l2_prefetch: bool = L2_PREFETCH,
-         out: torch.Tensor | None = None, **launch) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         **launch) -> torch.Tensor:
     """x: [M <= MAX_ROWS, K], weight: [N, K] (rows contiguous) -> [M, N]. launch: block_n, block_k,
     num_stages, num_warps (default: launch_config). out: [M, N] to write into (rows contiguous), else a new
     tensor."""
@@ -100,7 +80,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        L2_PIECES=_l2_pieces(weight, launch["block_n"], launch["num_warps"]) if l2_prefetch else 0,
         num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl_launch(x.device))
     return y
 

@@ -6,11 +6,11 @@
   prefix; every key (prefix and new) is read from the cache, where store_kv has just written the new ones.
 References: attention.torch_backend.decode_reference / prefill_reference.
 """
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm.attention.metadata import prefill_tile_tokens
 from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 
 
@@ -191,24 +191,6 @@ def decode_workspace(num_seqs, num_heads, head_dim, num_splits, device):
     n = num_seqs * num_heads * num_splits
     return (torch.empty(n * head_dim, dtype=torch.float32, device=device),
             torch.empty(n, dtype=torch.float32, device=device), torch.empty(n, dtype=torch.float32, device=device))
-
-
-def prefill_tile_tokens(group: int) -> int:
-    """Query tokens a prefill program takes. Its tile is those tokens x the group of query heads that share a KV
-    head (padded to a power of two), 64 rows. One size for every step, so that one compiled kernel and one set of
-    CUDA graphs serve short prompt chunks too (the kernel is bound by reading K/V there, not by its masked rows)."""
-    return max(1, 64 // triton.next_power_of_2(group))
-
-
-def prefill_tiles(query_lens, tile_tokens: int) -> np.ndarray:
-    """[2, n] int32: for each program of the prefill grid, its sequence and that sequence's query tile. The
-    grid is one flat list of tiles rather than sequences x longest query, so that it depends on no host value
-    but its length: a CUDA graph captures it with room to spare, the spare entries -1. Last tiles first: a
-    prompt's later tiles read the most keys, and the GPU starts the longest programs before the short ones."""
-    counts = -(-np.asarray(query_lens, dtype=np.int64) // tile_tokens)
-    seq = np.repeat(np.arange(len(counts)), counts)
-    first = np.repeat(np.cumsum(counts) - counts, counts)
-    return np.ascontiguousarray(np.stack([seq, np.arange(len(seq)) - first])[:, ::-1]).astype(np.int32)
 
 
 @triton.jit

@@ -108,15 +108,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qkv_bias, o_bias, qk_norm)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.decode_layers = None  # set by the ModelRunner where bs=1 decode steps run all layers in one kernel
 
     def forward(self, input_ids, positions, meta, inputs_embeds=None):
         """inputs_embeds: the input ids' embeddings where the caller gathered them (a decode graph's first kernel)."""
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         residual = None
-        if self.decode_layers is not None and self.decode_layers.takes(meta):
-            self.decode_layers(hidden, meta)  # in place: the residual stream after the last layer
-            return self.norm(hidden)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
         hidden, _ = self.norm(hidden, residual)
