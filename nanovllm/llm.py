@@ -6,41 +6,49 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine_args import check_vllm_args
 from nanovllm.inputs import PromptType
-from nanovllm.logger import log_once
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
-# vLLM arguments that change nothing here; accepted so that vLLM scripts run unchanged.
-_IGNORED_ARGS = {"trust_remote_code", "disable_log_stats", "swap_space", "revision", "tokenizer_revision",
-                 "tokenizer_mode", "enable_chunked_prefill", "disable_custom_all_reduce", "max_logprobs",
-                 "compilation_config", "cpu_offload_gb", "download_dir", "load_format"}
+PROMPT_TYPES = "a prompt is a str, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
+
+
+def _prompt_list(prompts, prompt_token_ids) -> list:
+    """generate()'s prompts as a list, checked for type before any work."""
+    if prompt_token_ids is not None:
+        if prompts is not None:
+            raise TypeError("generate() takes prompts or prompt_token_ids, not both")
+        if not isinstance(prompt_token_ids, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in prompt_token_ids):
+            raise TypeError("prompt_token_ids must be a list of lists of token ids")
+        return [{"prompt_token_ids": p} for p in prompt_token_ids]
+    if prompts is None:
+        raise TypeError(f"generate() needs prompts: {PROMPT_TYPES}, or a list of them")
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, Seq):
+        raise TypeError(f"prompts must be a prompt or a list of them ({PROMPT_TYPES}), got {type(prompts).__name__}")
+    return list(prompts)
 
 
 class LLM:
     """vLLM's offline entry point: LLM(model).generate(prompts, SamplingParams(...))."""
 
     def __init__(self, model: str, tokenizer: str | None = None, dtype="auto", device: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 gpu_memory_utilization: float = 0.9, block_size: int | None = None, enable_prefix_caching: bool = True,
-                 enforce_eager: bool = False, async_scheduling: bool = True, seed: int = 0,
+                 max_model_len: int | None = None, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 gpu_memory_utilization: float = 0.9, block_size: int | None = None, enable_prefix_caching: bool | None = True,
+                 enforce_eager: bool = False, async_scheduling: bool = True, seed: int | None = 0,
                  num_gpu_blocks_override: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, attention_backend: str | None = None,
-                 tensor_parallel_size: int = 1, quantization: str | None = None, **kwargs):
-        unknown = set(kwargs) - _IGNORED_ARGS
-        if unknown:
-            raise TypeError(f"LLM() got unknown arguments {sorted(unknown)}")
-        for name in sorted(kwargs):
-            log_once(f"LLM(): argument {name!r} has no effect in nanovllm and is ignored")
-        if tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size}: nanovllm runs on one device for now")
-        if quantization is not None:
-            raise ValueError(f"quantization={quantization!r} is not supported yet (GGUF files load dequantized)")
+                 kv_cache_memory_bytes: int | None = None, attention_backend: str | None = None, **kwargs):
+        """nanovllm's own arguments are named here; **kwargs takes vLLM's other engine arguments
+        (nanovllm.engine_args: accepted where they ask for nothing nanovllm lacks)."""
+        check_vllm_args(kwargs)
         config = Config(model=model, tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
-                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        max_num_seqs=256 if max_num_seqs is None else max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens,
                         gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-                        enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
-                        async_scheduling=async_scheduling, seed=seed,
+                        enable_prefix_caching=enable_prefix_caching is not False, enforce_eager=enforce_eager,
+                        async_scheduling=async_scheduling, seed=0 if seed is None else seed,
                         num_gpu_blocks_override=num_gpu_blocks_override,
                         kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend)
         self.llm_engine = LLMEngine(config)
@@ -54,28 +62,32 @@ class LLM:
         False while requests still hold KV blocks."""
         return self.llm_engine.block_manager.reset_prefix_cache()
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize(self, i: int, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.get_tokenizer()(prompt).input_ids
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, dict) and "prompt" in prompt:
             return prompt["prompt"], self.get_tokenizer()(prompt["prompt"]).input_ids
-        raise TypeError(f"a prompt must be a str, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, "
-                        f"got {type(prompt).__name__}")
+        raise TypeError(f"prompt {i}: {PROMPT_TYPES}, got {type(prompt).__name__}")
 
-    def generate(self, prompts: PromptType | Seq[PromptType], sampling_params=None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+    def generate(self, prompts: PromptType | Seq[PromptType] | None = None, sampling_params=None,
+                 use_tqdm: bool = True, lora_request=None, priority: list[int] | None = None, *,
+                 prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+        """vLLM's generate: outputs in input order. prompt_token_ids: the older vLLM keyword (lm-evaluation-harness
+        passes it), lists of token ids instead of prompts."""
+        prompts = _prompt_list(prompts, prompt_token_ids)
+        if lora_request is not None:
+            raise NotImplementedError("generate(lora_request=...): nanovllm does not support LoRA adapters yet")
+        if priority is not None and any(priority):
+            raise NotImplementedError("generate(priority=...): nanovllm schedules first come, first served")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
-        requests = [(*self._tokenize(prompt), params) for prompt, params in zip(prompts, sampling_params)]
+        requests = [(*self._tokenize(i, prompt), params) for i, (prompt, params) in enumerate(zip(prompts, sampling_params))]
         return self._run(requests, use_tqdm)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:

@@ -49,9 +49,13 @@ def test_stop_token_id_outside_vocab(tiny_llm):
         tiny_llm.generate(OK, SamplingParams(stop_token_ids=[10**6]), use_tqdm=False)
 
 
-def test_bad_prompt_type(tiny_llm):
-    with pytest.raises(TypeError, match="prompt must be"):
-        tiny_llm.generate([OK, 42], use_tqdm=False)
+@pytest.mark.parametrize("prompts,message", [
+    ([OK, 42], "prompt 1: a prompt is a str"), (None, "generate\\(\\) needs prompts: a prompt is a str"),
+    (42, "prompts must be a prompt or a list"), ([{"text": OK}], "prompt 0: a prompt is a str"),
+])
+def test_bad_prompt_type(tiny_llm, prompts, message):
+    with pytest.raises(TypeError, match=message):
+        tiny_llm.generate(prompts, use_tqdm=False)
 
 
 def test_missing_path():
@@ -129,13 +133,8 @@ def test_kv_budget_too_small_says_what_to_raise(tiny_model_dir):
     (dict(max_model_len=10**6), "max_model_len"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(block_size=3), "block_size"), (dict(dtype="int8"), "dtype"), (dict(device="tpu"), "device"),
     (dict(max_num_seqs=64, max_num_batched_tokens=32), "max_num_batched_tokens"),
-    (dict(attention_backend="magic"), "attention_backend"), (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(attention_backend="magic"), "attention_backend"),
 ])
 def test_bad_engine_arguments(tiny_model_dir, kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM(tiny_model_dir("tiny-llama"), **kwargs)
-
-
-def test_unknown_argument(tiny_model_dir):
-    with pytest.raises(TypeError, match="no_such_arg"):
-        LLM(tiny_model_dir("tiny-llama"), no_such_arg=1)
