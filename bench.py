@@ -78,14 +78,18 @@ def timed_generate(llm, prompts, params, device):
 
 
 def make_llm(args, model, dtype, **settings) -> LLM:
-    llm = LLM(model, device=args.device, dtype=dtype, attention_backend=args.attention_backend, **settings)
-    args.backend_used = llm.llm_engine.model_runner.backend.name  # the header names it
+    """The engine of every mode: the model's own max_model_len and the engine's max_num_seqs unless --max-model-len
+    or --max-num-seqs say otherwise (users' defaults: the figures are the ones they get)."""
+    llm = LLM(model, device=args.device, dtype=dtype, attention_backend=args.attention_backend,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, **settings)
+    engine = llm.llm_engine
+    args.engine_used = (f"attention backend {engine.model_runner.backend.name}, max_model_len "
+                        f"{engine.model_config.max_model_len}, max_num_seqs {engine.config.max_num_seqs}")
     return llm
 
 
 def run_ours(args, model, prompts, out_lens, dtype):
     llm = make_llm(args, model, dtype, enforce_eager=args.enforce_eager,
-                   max_model_len=max(map(len, prompts)) + max(out_lens), max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens)
     timed_generate(llm, prompts[:2], SamplingParams(max_tokens=4), args.device)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, seed=i, detokenize=False)
@@ -133,7 +137,7 @@ def device_name(args) -> str:
 def header(args, dtype, extra=""):
     return (f"\n| device | date | model | dtype | mode | config |\n|---|---|---|---|---|---|\n"
             f"| {device_name(args)} | {datetime.date.today()} | {args.model} | {str(dtype).removeprefix('torch.')} "
-            f"| {args.mode} | {extra}; attention backend {getattr(args, 'backend_used', '?')} |\n")
+            f"| {args.mode} | {extra}; {getattr(args, 'engine_used', '?')} |\n")
 
 
 def throughput_row(engine: str, tokens: int, seconds: float, bytes_read: int, bw: float | None) -> str:
@@ -165,8 +169,8 @@ def bench_throughput(args, model, dtype, vocab):
 
 def bench_decode1(args, model, dtype):
     """One sequence, 512 prompt tokens, 256 new tokens: tok/s against weights + KV bytes / HBM bandwidth."""
-    llm = make_llm(args, model, dtype, enforce_eager=args.enforce_eager, max_model_len=1024,
-                   max_num_seqs=1, enable_prefix_caching=False)  # every run below does the same full prefill
+    llm = make_llm(args, model, dtype, enforce_eager=args.enforce_eager,
+                   enable_prefix_caching=False)  # every run below does the same full prefill
     prompt = [random.Random(0).randint(100, 20000) for _ in range(512)]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=256, detokenize=False)
     for max_tokens in (8, 1):  # warm-up: every kernel the timed runs use is compiled here
@@ -190,8 +194,9 @@ def bench_sweep(args, model, dtype):
     """Decode tok/s against batch size (prompts of 512 tokens, 128 new tokens, greedy), each beside its HBM
     bound (weights + that batch's KV read once a step); with --plot, also a PNG of both curves."""
     sizes = args.batch_sizes
-    llm = make_llm(args, model, dtype, enforce_eager=args.enforce_eager, max_model_len=1024,
-                   max_num_seqs=max(sizes), enable_prefix_caching=False)
+    if max(sizes) > (args.max_num_seqs or 256):
+        raise SystemExit(f"--batch-sizes up to {max(sizes)} need --max-num-seqs {max(sizes)} or more")
+    llm = make_llm(args, model, dtype, enforce_eager=args.enforce_eager, enable_prefix_caching=False)
     runner = llm.llm_engine.model_runner
     bw = measure_hbm_bandwidth() if args.device.startswith("cuda") else None
     rng = random.Random(args.seed)
@@ -233,8 +238,7 @@ def bench_sweep(args, model, dtype):
 
 def bench_prefill(args, model, dtype, hf_config):
     """8 prompts of 4096 tokens, one token each: prefill tok/s against the measured bf16 matmul peak."""
-    llm = make_llm(args, model, dtype, max_model_len=4200, max_num_batched_tokens=8192,
-                   enable_prefix_caching=False)
+    llm = make_llm(args, model, dtype, max_num_batched_tokens=8192, enable_prefix_caching=False)
     rng = random.Random(0)
     prompts = [[rng.randint(100, 20000) for _ in range(4096)] for _ in range(8)]
     params = SamplingParams(max_tokens=1, detokenize=False)
@@ -263,7 +267,8 @@ def main():
     ap.add_argument("--num-seqs", type=int, default=256)
     ap.add_argument("--input-len", type=int, nargs=2, default=[100, 1024])
     ap.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's own")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (256)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="throughput mode; default: the engine's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="timed runs on one engine: throughput mode (the prefix "

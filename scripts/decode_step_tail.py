@@ -13,9 +13,9 @@ sys.path.insert(0, ".")
 import bench  # noqa: E402
 from nanovllm import SamplingParams  # noqa: E402
 
-args = types.SimpleNamespace(device="cuda", attention_backend=None)
+args = types.SimpleNamespace(device="cuda", attention_backend=None, max_model_len=None, max_num_seqs=None)
 model = bench.resolve_model("qwen3-0.6b", torch.bfloat16)
-llm = bench.make_llm(args, model, torch.bfloat16, max_model_len=1024, max_num_seqs=1, enable_prefix_caching=False)
+llm = bench.make_llm(args, model, torch.bfloat16, enable_prefix_caching=False)  # bench.py decode1's engine
 prompt = [random.Random(0).randint(100, 20000) for _ in range(512)]
 params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=40, detokenize=False)
 bench.timed_generate(llm, [prompt], params, "cuda")

@@ -52,7 +52,7 @@ args = ap.parse_args()
 windows = {int(w.split(":")[0]): int(w.split(":")[1]) for w in args.trace}
 model = resolve_model(args.model, torch.bfloat16)
 prompts, out_lens = make_workload(args, 30000)
-llm = LLM(model, max_model_len=max(map(len, prompts)) + max(out_lens), max_num_batched_tokens=args.max_num_batched_tokens)
+llm = LLM(model, max_num_batched_tokens=args.max_num_batched_tokens)  # bench.py's engine
 llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4), use_tqdm=False)
 engine = llm.llm_engine
 runner = engine.model_runner

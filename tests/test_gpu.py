@@ -128,6 +128,30 @@ def test_cuda_graphs_match_eager(small_model, max_num_seqs, backend):
     assert outs[:3] == outs[3:]
 
 
+def test_decode_plan_follows_the_context_not_max_model_len(small_model, tmp_path):
+    """bs=1 decode with the model's own max_model_len (40,960) replays the decode graphs of the context bounds that
+    hold each step, not one planned for 40,960 tokens: the tokens and logprobs are those of an engine whose
+    max_model_len is 1,024, bit for bit (the same kernels, planned alike)."""
+    from nanovllm.weights.synthetic import write_model
+
+    long_model = str(write_model(dict(SMALL, max_position_embeddings=40960), tmp_path, torch.float32))
+    prompts = [{"prompt_token_ids": p} for p in _prompts(3)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    results, bounds = [], []
+    for path, max_model_len in ((long_model, None), (small_model, 1024)):
+        llm = LLM(path, device="cuda", dtype=torch.bfloat16, max_model_len=max_model_len, max_num_seqs=1,
+                  gpu_memory_utilization=0.3)
+        graphs = llm.llm_engine.model_runner.graphs
+        key = graphs._key
+        graphs._key = lambda n, longest: bounds.append(key(n, longest)[1]) or key(n, longest)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs])
+        del graphs._key, graphs, llm
+        torch.cuda.empty_cache()
+    assert results[0] == results[1]
+    assert bounds and max(bounds) <= 512, sorted(set(bounds))  # prompts of 5-300 tokens, 40 new
+
+
 def test_triton_backend_matches_torch_backend_on_cuda(small_model):
     prompts = [{"prompt_token_ids": p} for p in _prompts(6)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=1, logprobs=1)

@@ -125,15 +125,32 @@ def test_capacity_and_dispatch_rules():
     assert cluster.why_off(torch.device("cpu")) == "no CUDA GPU"
 
 
-def test_serves_says_when_max_model_len_keeps_the_kernel_out(monkeypatch):
-    """Backends ask serves() once: off where the kernel is off (why_off logged it), and where max_model_len is over
-    what one round holds, logged with what runs those steps instead."""
-    said = []
-    monkeypatch.setattr(cluster, "log_once", said.append)
+def test_context_bounds_plan_short_contexts_whatever_max_model_len():
+    """Decode steps are planned for the smallest bound that holds their contexts: the kernel's one-round plans up to
+    what a cluster holds, then max_model_len (the Triton kernels)."""
     cpu = torch.device("cpu")
-    assert not cluster.serves(1024, cpu, "the Triton kernels") and said == []  # no GPU: why_off says so
-    monkeypatch.setattr(cluster, "why_off", lambda device: None)
-    assert cluster.serves(2048, cpu, "the Triton kernels") and said == []
-    assert not cluster.serves(2049, cpu, "flash-attn")
-    assert said == ["decode steps of few sequences run flash-attn: max_model_len=2049 is over what the CUDA decode "
-                    "kernel holds in shared memory"]
+    assert cluster.context_bounds(1, 40960, cpu) == [256, 512, 1024, 2048, 40960]
+    assert cluster.context_bounds(4, 40960, cpu) == [256, 512, 1024, 40960]
+    assert cluster.context_bounds(1, 700, cpu) == [256, 512, 700]
+    assert cluster.context_bounds(5, 40960, cpu) == [40960]
+    for seqs in (1, 2, 4):
+        *short, longest = cluster.context_bounds(seqs, 40960, cpu)
+        for bound in short:
+            splits, cap = cluster.plan(seqs, bound, cpu)
+            assert splits * cap >= bound and cap == cluster.capacity(bound, splits)
+        assert cluster.plan(seqs, longest, cpu) is None
+
+
+def test_a_step_takes_the_smallest_bound_that_holds_its_longest_context():
+    from nanovllm.attention.backend import decode_context_bound
+    from nanovllm.attention.metadata import AttentionMetadata
+
+    class Backend:
+        def decode_context_bounds(self, num_seqs, max_model_len):
+            return cluster.context_bounds(num_seqs, max_model_len, torch.device("cpu"))
+
+    for longest, bound in ((1, 256), (256, 256), (257, 512), (2048, 2048), (2049, 40960), (40960, 40960)):
+        meta = AttentionMetadata(slot_mapping=None, query_start_loc=None, seq_lens=torch.ones(1), block_tables=None,
+                                 num_decodes=1, max_query_len=1, max_seq_len=longest, query_start_loc_cpu=None,
+                                 seq_lens_cpu=None)
+        assert decode_context_bound(Backend(), meta, 40960) == bound

@@ -16,6 +16,12 @@ class AttentionBackend:
     supports_prefill_graphs = True  # with supports_cuda_graphs: steps with prefills may replay graphs too
     rotates_decode = False  # True: forward takes `rope` on decode steps, with q and k unrotated
 
+    def decode_context_bounds(self, num_seqs: int, max_model_len: int) -> list[int]:
+        """The context-length bounds (ascending, the last max_model_len) at which a decode step of num_seqs sequences
+        may take another kernel plan: decode graphs are captured per bound, and every decode step, eager or
+        replayed, is planned for the smallest bound that holds its longest context (decode_context_bound)."""
+        return [max_model_len]
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
                 v_cache: torch.Tensor | None, meta: AttentionMetadata, scale: float,
                 rope: DecodeRope | None = None) -> torch.Tensor:
@@ -30,3 +36,11 @@ def rotate_decode(q: torch.Tensor, k: torch.Tensor, rope: DecodeRope, meta: Atte
     if "positions" not in meta.scratch:  # the same for every layer of this step
         meta.scratch["positions"] = meta.seq_lens - 1
     rotary_(meta.scratch["positions"], q, k, rope.cos, rope.sin, rope.q_norm_weight, rope.k_norm_weight, rope.eps)
+
+
+def decode_context_bound(backend: AttentionBackend, meta: AttentionMetadata, max_model_len: int) -> int:
+    """The bound a decode step is planned for (AttentionBackend.decode_context_bounds), found once a step."""
+    if "context_bound" not in meta.scratch:
+        bounds = backend.decode_context_bounds(meta.num_seqs, max_model_len)
+        meta.scratch["context_bound"] = next(b for b in bounds if b >= meta.max_seq_len)
+    return meta.scratch["context_bound"]

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from nanovllm.attention.backend import AttentionBackend, rotate_decode
+from nanovllm.attention.backend import AttentionBackend, decode_context_bound, rotate_decode
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.torch_backend import TorchAttentionBackend
 
@@ -52,14 +52,22 @@ class FlashAttnBackend(AttentionBackend):
         self._varlen, self._with_kvcache, self._store_kv = flash_attn_varlen_func, flash_attn_with_kvcache, store_kv
         self._cuda_decode = paged_decode_cluster.decode_step
         self.max_model_len = max_model_len
+        self.device = device
         # decode steps take q and k unrotated where the CUDA kernel may take some of them
-        self.rotates_decode = paged_decode_cluster.serves(max_model_len, device, "flash-attn")
+        self.rotates_decode = paged_decode_cluster.serves(device)
+        self._context_bounds = paged_decode_cluster.context_bounds
+
+    def decode_context_bounds(self, num_seqs: int, max_model_len: int) -> list[int]:
+        if not self.rotates_decode:
+            return [max_model_len]
+        return self._context_bounds(num_seqs, max_model_len, self.device)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope=None):
         if k_cache is None:
             return self._reference.forward(q, k, v, None, None, meta, scale)
         if rope is not None:  # a decode step (rotates_decode)
-            out = self._cuda_decode(q, k, v, k_cache, v_cache, meta, scale, rope, self.max_model_len)
+            bound = decode_context_bound(self, meta, self.max_model_len)
+            out = self._cuda_decode(q, k, v, k_cache, v_cache, meta, scale, rope, bound)
             if out is not None:
                 return out
             rotate_decode(q, k, rope, meta)

@@ -1,10 +1,11 @@
 """The GPU default: Triton paged attention (split-K decode that also stores the step's K/V; KV store, then
 varlen prefill over a cached prefix), and a CUDA decode kernel (kernels.paged_decode_cluster) for decode steps of
-at most 4 sequences where max_model_len fits its shared memory. Decode steps take q and k unrotated: the CUDA
-kernel rotates them itself, and for the Triton one the rotary kernel runs first."""
+at most 4 sequences whose contexts fit its shared memory. Decode steps take q and k unrotated: the CUDA kernel
+rotates them itself, and for the Triton one the rotary kernel runs first. Both are planned for the step's context
+bound (decode_context_bound), not for max_model_len."""
 import torch
 
-from nanovllm.attention.backend import AttentionBackend, rotate_decode
+from nanovllm.attention.backend import AttentionBackend, decode_context_bound, rotate_decode
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.torch_backend import TorchAttentionBackend
 from nanovllm.kernels import num_sms, paged_decode_cluster
@@ -19,20 +20,27 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self, max_model_len: int, device: torch.device):
         self.max_model_len = max_model_len
-        self.cuda_decode = paged_decode_cluster.serves(max_model_len, device, "the Triton kernels")
+        self.device = device
+        self.cuda_decode = paged_decode_cluster.serves(device)
         self._reference = TorchAttentionBackend()  # for the memory-profiling run, which has no cache
+
+    def decode_context_bounds(self, num_seqs: int, max_model_len: int) -> list[int]:
+        if not self.cuda_decode:
+            return [max_model_len]
+        return paged_decode_cluster.context_bounds(num_seqs, max_model_len, self.device)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope=None):
         if k_cache is None:
             return self._reference.forward(q, k, v, None, None, meta, scale)
         if meta.num_decodes == meta.num_seqs:  # the decode kernels store the step's keys and values themselves
+            bound = decode_context_bound(self, meta, self.max_model_len)
             out = paged_decode_cluster.decode_step(q, k, v, k_cache, v_cache, meta, scale, rope,
-                                                   self.max_model_len) if self.cuda_decode else None
+                                                   bound) if self.cuda_decode else None
             if out is not None:
                 return out
             if rope is not None:  # the rotary kernel first, not in the decode kernel: bench.py on the H100 ran
                 rotate_decode(q, k, rope, meta)  # 20,334-20,376 tok/s this way, 20,213-20,228 rotating in it
-            splits = decode_num_splits(meta.num_seqs, k_cache.shape[2], self.max_model_len, num_sms(q.device))
+            splits = decode_num_splits(meta.num_seqs, k_cache.shape[2], bound, num_sms(q.device))
             return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
                                 new_kv=(k, v, meta.slot_mapping))
         assert rope is None, "rope is taken on decode steps only"

@@ -1,6 +1,8 @@
-"""Steps captured as CUDA graphs, sharing one memory pool: decode steps per batch-size bucket (their logits
-included, and a sampling graph each; small buckets also one graph of both), and steps with prefills per
-token-count bucket (up to the hidden states; the rows to sample vary).
+"""Steps captured as CUDA graphs, sharing one memory pool: decode steps per batch-size bucket and context bound
+(their logits included, and a sampling graph per batch-size bucket; small buckets also one graph of both), and steps
+with prefills per token-count bucket (up to the hidden states; the rows to sample vary). A decode step replays the
+graph of the smallest context bound that holds its longest context (AttentionBackend.decode_context_bounds: the
+attention kernels are planned for it), so the fast paths for short contexts do not depend on max_model_len.
 
 A replay reads the step's inputs from static buffers: copied there from the host, or, for a decode batch that
 runs again unchanged, left there by its previous step's sampling graph. Decode rows past the real batch are
@@ -38,8 +40,9 @@ def max_prefill_tiles(tokens: int, max_seqs: int, tile_tokens: int) -> int:
     return -(-tokens // tile_tokens) + min(max_seqs, tokens)
 
 
-def _capture(graphs: dict, sizes: list[int], step, pool):
-    """Capture step(size) for each size, largest first (the smaller ones reuse its memory); return the pool."""
+def _capture(graphs: dict, sizes: list, step, pool):
+    """Capture step(size) for each size (ascending), largest first (the smaller ones reuse its memory); return the
+    pool."""
     for size in reversed(sizes):
         step(size)  # warm-up: compiles kernels, sizes workspaces
         graph = torch.cuda.CUDAGraph()
@@ -88,12 +91,13 @@ class CUDAGraphRunner:
     run_steady). The step graph's first kernel derives the slots and context lengths from positions and block
     tables (kernels.decode_inputs)."""
 
-    def __init__(self, model, max_batch: int, max_blocks_per_seq: int, max_model_len: int, block_size: int,
+    def __init__(self, model, max_batch: int, max_blocks_per_seq: int, context_bounds, block_size: int,
                  scratch_block: int, vocab_size: int, dtype: torch.dtype, device: torch.device):
+        """context_bounds(batch size) -> the context bounds its decode steps are captured for, ascending."""
         self.model = model
-        self.max_model_len = max_model_len
         self.block_size = block_size
         self.batch_sizes = graph_batch_sizes(max_batch)
+        self.context_bounds = {bs: context_bounds(bs) for bs in self.batch_sizes}
         self.buffers = _StepBuffers(max_batch, max_batch, max_blocks_per_seq, scratch_block, block_size, device)
         self.num_rows = torch.zeros(1, dtype=torch.int32, device=device)  # real rows of the batch in the buffers
         self.logits = torch.empty(max_batch, vocab_size, dtype=dtype, device=device)
@@ -105,23 +109,23 @@ class CUDAGraphRunner:
         self.token_ring = torch.zeros(TOKEN_RING_ROWS, max_batch, dtype=torch.int64, pin_memory=True)
         self.ring_state = torch.zeros(2, dtype=torch.int32, device=device)  # steps counted, this step's ring row
         self.replays = 0  # step graphs replayed since capture: the host's count of ring_state[0]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # per (batch size, context bound)
         self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.steady_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the step graph, then the sampling graph's kernels
+        self.steady_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # the step graph, then the sampling's
 
-    def _meta(self, bs: int) -> AttentionMetadata:
+    def _meta(self, bs: int, context_bound: int) -> AttentionMetadata:
         buf = self.buffers
         return AttentionMetadata(
             slot_mapping=buf.slot_mapping[:bs], query_start_loc=buf.query_start_loc[:bs + 1],
             seq_lens=buf.seq_lens[:bs], block_tables=buf.block_tables[:bs], num_decodes=bs, max_query_len=1,
-            max_seq_len=self.max_model_len, query_start_loc_cpu=None, seq_lens_cpu=None)
+            max_seq_len=context_bound, query_start_loc_cpu=None, seq_lens_cpu=None)
 
-    def _step(self, bs: int):
+    def _step(self, bs: int, context_bound: int):
         buf = self.buffers
         embeds = prepare_decode_inputs(buf.positions[:bs], buf.seq_lens[:bs], buf.slot_mapping[:bs],
                                        buf.block_tables[:bs], self.num_rows, buf.scratch_block, self.block_size,
                                        self.ring_state, TOKEN_RING_ROWS, buf.input_ids[:bs], self.model.embedding_table())
-        hidden = self.model(buf.input_ids[:bs], buf.positions[:bs], self._meta(bs), embeds)
+        hidden = self.model(buf.input_ids[:bs], buf.positions[:bs], self._meta(bs, context_bound), embeds)
         self.model.compute_logits(hidden, out=self.logits[:bs])
 
     def _sample_step(self, bs: int):
@@ -129,16 +133,17 @@ class CUDAGraphRunner:
                       out=self.tokens[:bs])
         self.advance(self.tokens[:bs], self.steps[:bs])
 
-    def _steady_step(self, bs: int):
-        self._step(bs)
+    def _steady_step(self, bs: int, context_bound: int):
+        self._step(bs, context_bound)
         self._sample_step(bs)
 
     @torch.inference_mode()
     def capture(self, pool=None):
-        pool = _capture(self.graphs, self.batch_sizes, self._step, pool)
+        keys = [(bs, bound) for bs in self.batch_sizes for bound in self.context_bounds[bs]]
+        pool = _capture(self.graphs, keys, lambda key: self._step(*key), pool)
         pool = _capture(self.sample_graphs, self.batch_sizes, self._sample_step, pool)
-        steady_sizes = [b for b in self.batch_sizes if b <= STEADY_GRAPH_MAX_BATCH]
-        pool = _capture(self.steady_graphs, steady_sizes, self._steady_step, pool)
+        steady_keys = [key for key in keys if key[0] <= STEADY_GRAPH_MAX_BATCH]
+        pool = _capture(self.steady_graphs, steady_keys, lambda key: self._steady_step(*key), pool)
         self.ring_state.zero_()  # the warm-up steps counted
         torch.cuda.synchronize()
         return pool
@@ -149,6 +154,12 @@ class CUDAGraphRunner:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.batch_sizes if b >= n)
 
+    def _key(self, n: int, max_seq_len: int) -> tuple[int, int]:
+        """(batch-size bucket, context bound) of the graph that runs a decode step of n sequences whose longest
+        context (this step's token included) is max_seq_len."""
+        bs = self._bucket(n)
+        return bs, next(b for b in self.context_bounds[bs] if b >= max_seq_len)
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = input_ids.shape[0]
         buf = self.buffers
@@ -156,12 +167,12 @@ class CUDAGraphRunner:
         buf.positions[:n].copy_(positions)
         buf.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.num_rows.fill_(n)
-        return self.replay(n)
+        return self.replay(n, meta.max_seq_len)
 
-    def replay(self, n: int) -> torch.Tensor:
+    def replay(self, n: int, max_seq_len: int) -> torch.Tensor:
         """The step graph on the buffers as they are (filled by run(), or moved on by a sampling graph or advance()):
-        the logits of the batch's n rows."""
-        self._replay_step(self.graphs[self._bucket(n)])
+        the logits of the batch's n rows, whose longest context is max_seq_len."""
+        self._replay_step(self.graphs[self._key(n, max_seq_len)])
         return self.logits[:n]
 
     def _replay_step(self, graph: torch.cuda.CUDAGraph):
@@ -193,14 +204,15 @@ class CUDAGraphRunner:
                               self.buffers.positions[:tokens.shape[0]], steps, self.num_rows, self.token_ring,
                               self.ring_state)
 
-    def run_steady(self, n: int) -> torch.Tensor:
-        """The next step of the batch that the last sample() left in the buffers: its tokens."""
-        bucket = self._bucket(n)
-        if bucket in self.steady_graphs:
-            self._replay_step(self.steady_graphs[bucket])
+    def run_steady(self, n: int, max_seq_len: int) -> torch.Tensor:
+        """The next step of the batch that the last sample() left in the buffers (its longest context max_seq_len):
+        its tokens."""
+        key = self._key(n, max_seq_len)
+        if key in self.steady_graphs:
+            self._replay_step(self.steady_graphs[key])
         else:
-            self.replay(n)
-            self.sample_graphs[bucket].replay()
+            self.replay(n, max_seq_len)
+            self.sample_graphs[key[0]].replay()
         return self.tokens[:n]
 
 

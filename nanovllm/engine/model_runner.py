@@ -67,6 +67,7 @@ class SteadyDecode:
     seqs: list[Sequence]
     known_blocks: list[int]
     context_tokens: int  # the step's context lengths summed (the benchmarks' bytes-read count)
+    max_seq_len: int  # the step's longest context (the decode graph that runs it)
     sampling: SamplingTensors | None = None  # top-k / top-p / min-p: the eager sampler's knobs (None: the graph's)
 
     def continues(self, seqs: list[Sequence]) -> bool:
@@ -167,11 +168,12 @@ class ModelRunner:
 
         cfg, mc = self.config, self.config.model_config
         blocks_per_seq = _round_up(-(-mc.max_model_len // self.block_size), ALIGN)
-        decode = CUDAGraphRunner(self.model, min(cfg.max_num_seqs, 512), blocks_per_seq, mc.max_model_len,
-                                 self.block_size, self.num_blocks, mc.vocab_size, self.dtype, self.device)
+        decode = CUDAGraphRunner(self.model, min(cfg.max_num_seqs, 512), blocks_per_seq,
+                                 lambda bs: self.backend.decode_context_bounds(bs, mc.max_model_len), self.block_size,
+                                 self.num_blocks, mc.vocab_size, self.dtype, self.device)
         pool = decode.capture()
         logger.info(f"captured CUDA graphs for decode batch sizes {decode.batch_sizes[0]}..{decode.batch_sizes[-1]} "
-                    f"(with the LM head)")
+                    f"(with the LM head), at context bounds {decode.context_bounds[1]} for one sequence")
         if not self._captures_prefill_graphs():
             log_once(f"the {self.backend.name} attention backend runs steps with prefills eagerly (decode steps "
                      "replay CUDA graphs)")
@@ -478,7 +480,7 @@ class ModelRunner:
                     self.graphs.advance(handle.tokens, tensors.steps)
             if steady:
                 self.steady = SteadyDecode(seqs, [len(s.block_table) for s in seqs], sum(meta.seq_lens_cpu),
-                                           None if tensors.temperature_only else tensors)
+                                           meta.max_seq_len, None if tensors.temperature_only else tensors)
             handle.max_logprobs = tensors.max_logprobs
             self._read_back(handle, from_ring=steady)
         return handle
@@ -493,13 +495,14 @@ class ModelRunner:
             rows, columns, block_ids = self._to_device(np.array(entries, dtype=np.int64).T.copy(), torch.int64)
             self.graphs.set_blocks(rows, columns, block_ids)
         steady.context_tokens += len(seqs)
+        steady.max_seq_len += 1
         self.bytes_read += self.weight_bytes + steady.context_tokens * self.kv_bytes_per_token
         self.num_steady_steps += 1
         handle = StepHandle(seqs, [[] for _ in seqs], list(range(len(seqs))))
         if steady.sampling is None:
-            handle.tokens = self.graphs.run_steady(len(seqs))
+            handle.tokens = self.graphs.run_steady(len(seqs), steady.max_seq_len)
         else:
-            handle.tokens, _ = self.sampler(self.graphs.replay(len(seqs)), steady.sampling)
+            handle.tokens, _ = self.sampler(self.graphs.replay(len(seqs), steady.max_seq_len), steady.sampling)
             self.graphs.advance(handle.tokens, steady.sampling.steps)
         self._read_back(handle, from_ring=True)
         return handle

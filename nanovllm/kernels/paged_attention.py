@@ -143,14 +143,15 @@ DECODE_BLOCK_N = 64
 HEADS_FIRST_MAX_SPLITS = 2
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_model_len: int, num_sms: int) -> int:
+def decode_num_splits(num_seqs: int, num_kv_heads: int, context_bound: int, num_sms: int) -> int:
     """Splits of each (sequence, kv head)'s context: enough programs for about two per SM (four cost 5-7% more
     at 24-48 sequences of 700-2048 tokens on the H100: more partials to merge), but no split shorter than one
-    tile of the longest possible context. It depends on num_seqs only through its next power of two, which a
-    CUDA-graph bucket shares with every batch it serves: eager and graph steps split alike."""
+    tile of the step's context bound (attention.backend.decode_context_bound). It depends on num_seqs only
+    through its next power of two, which a CUDA-graph bucket shares with every batch it serves: eager and graph
+    steps split alike."""
     programs = triton.next_power_of_2(num_seqs) * num_kv_heads
     wanted = triton.next_power_of_2(triton.cdiv(2 * num_sms, programs))
-    return max(1, min(wanted, triton.next_power_of_2(triton.cdiv(max_model_len, DECODE_BLOCK_N))))
+    return max(1, min(wanted, triton.next_power_of_2(triton.cdiv(context_bound, DECODE_BLOCK_N))))
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out=None,

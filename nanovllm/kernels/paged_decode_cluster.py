@@ -50,21 +50,37 @@ def _library() -> ctypes.CDLL:
     return cuda_library.library("paged_decode_cluster")
 
 
-def capacity(max_model_len: int, splits: int) -> int:
+def capacity(context_bound: int, splits: int) -> int:
     """Positions a CTA holds: a splits-th of the longest context (16-aligned), at most MAX_CAP."""
-    share = -(-max_model_len // splits)
+    share = -(-context_bound // splits)
     return min(MAX_CAP, (share + 15) // 16 * 16)
 
 
-def plan(num_seqs: int, max_model_len: int, device: torch.device) -> tuple[int, int] | None:
-    """(splits, capacity) of a decode step of num_seqs sequences, or None: the Triton kernels take it. Only where
-    every context fits the cluster's shared memory in one round (all of it copied before the wait): a longer one
-    takes rounds loaded after the wait, and a 3,000-token bs=1 decode took 31 us a layer that way on the H100, 20
-    with the Triton kernels, so engines with a longer max_model_len keep those."""
-    splits = ONE_SEQ_SPLITS if num_seqs == 1 and str(device) not in _no_16_cluster else FEW_SEQS_SPLITS
-    if num_seqs > MAX_SEQS or max_model_len > splits * MAX_CAP:
+def _splits(num_seqs: int, device: torch.device) -> int:
+    return ONE_SEQ_SPLITS if num_seqs == 1 and str(device) not in _no_16_cluster else FEW_SEQS_SPLITS
+
+
+def context_bounds(num_seqs: int, max_model_len: int, device: torch.device) -> list[int]:
+    """The context-length bounds a decode step of num_seqs sequences is planned (and captured) for: the powers of
+    two from 256 up to what the clusters hold in one round (a CTA's share of the context then 16 to MAX_CAP
+    positions: the smaller the share, the less shared memory beside the GEMVs that launch under it), and
+    max_model_len, past which the Triton kernels run."""
+    bounds = {max_model_len}
+    if num_seqs <= MAX_SEQS:
+        limit = min(_splits(num_seqs, device) * MAX_CAP, max_model_len)
+        bounds |= {b for b in (256, 512, 1024, 2048) if b <= limit}
+    return sorted(bounds)
+
+
+def plan(num_seqs: int, context_bound: int, device: torch.device) -> tuple[int, int] | None:
+    """(splits, capacity) of a decode step of num_seqs sequences whose contexts are at most context_bound, or None:
+    the Triton kernels take it. Only where every context fits the cluster's shared memory in one round (all of it
+    copied before the wait): a longer one takes rounds loaded after the wait, and a 3,000-token bs=1 decode took 31
+    us a layer that way on the H100, 20 with the Triton kernels."""
+    splits = _splits(num_seqs, device)
+    if num_seqs > MAX_SEQS or context_bound > splits * MAX_CAP:
         return None
-    return splits, capacity(max_model_len, splits)
+    return splits, capacity(context_bound, splits)
 
 
 def takes(q: torch.Tensor, k_cache: torch.Tensor, num_seqs: int) -> bool:
@@ -75,23 +91,17 @@ def takes(q: torch.Tensor, k_cache: torch.Tensor, num_seqs: int) -> bool:
             and why_off(q.device) is None)
 
 
-def serves(max_model_len: int, device: torch.device, instead: str) -> bool:
-    """Whether decode steps of few sequences can take this kernel in an engine of this max_model_len (builds it
-    now, not in a graph capture); where not, logs once that `instead` runs them."""
-    if why_off(device) is not None:  # why_off logged the reason
-        return False
-    if plan(1, max_model_len, device) is None:
-        log_once(f"decode steps of few sequences run {instead}: max_model_len={max_model_len} is over what the CUDA "
-                 "decode kernel holds in shared memory")
-        return False
-    return True
+def serves(device: torch.device) -> bool:
+    """Whether decode steps of few sequences can take this kernel on this device (builds it now, not in a graph
+    capture; why_off logs why not)."""
+    return why_off(device) is None
 
 
 def decode_step(q, k, v, k_cache, v_cache, meta, scale: float, rope: DecodeRope | None,
-                max_model_len: int) -> torch.Tensor | None:
+                context_bound: int) -> torch.Tensor | None:
     """A decode-only step's attention through this kernel where it takes the step (plan(), takes(); rope given:
     q and k unrotated), else None: the caller's kernels run it."""
-    step_plan = plan(meta.num_seqs, max_model_len, q.device)
+    step_plan = plan(meta.num_seqs, context_bound, q.device)
     if step_plan is None or rope is None or not takes(q, k_cache, meta.num_seqs):
         return None
     return paged_decode_cluster(q, k, v, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.slot_mapping, scale,
