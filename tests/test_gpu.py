@@ -140,13 +140,13 @@ def test_decode_plan_follows_the_context_not_max_model_len(small_model, tmp_path
     results, bounds = [], []
     for path, max_model_len in ((long_model, None), (small_model, 1024)):
         llm = LLM(path, device="cuda", dtype=torch.bfloat16, max_model_len=max_model_len, max_num_seqs=1,
-                  gpu_memory_utilization=0.3)
+                  num_gpu_blocks_override=2600)  # 41,600 tokens: room for one sequence of 40,960
         graphs = llm.llm_engine.model_runner.graphs
         key = graphs._key
         graphs._key = lambda n, longest: bounds.append(key(n, longest)[1]) or key(n, longest)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs])
-        del graphs._key, graphs, llm
+        del graphs._key, graphs, key, llm
         torch.cuda.empty_cache()
     assert results[0] == results[1]
     assert bounds and max(bounds) <= 512, sorted(set(bounds))  # prompts of 5-300 tokens, 40 new
