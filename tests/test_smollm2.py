@@ -9,6 +9,8 @@ from helpers import hf_greedy, hf_prompt_logprobs
 
 from nanovllm import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # loads the real model (and fetches it on first use): -m "not slow" leaves it out
+
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",

