@@ -146,7 +146,8 @@ def test_decode_plan_follows_the_context_not_max_model_len(small_model, tmp_path
         graphs._key = lambda n, longest: bounds.append(key(n, longest)[1]) or key(n, longest)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in outs])
-        del graphs._key, graphs, key, llm
+        del graphs._key
+        graphs = key = llm = None  # the first engine goes before the second comes
         torch.cuda.empty_cache()
     assert results[0] == results[1]
     assert bounds and max(bounds) <= 512, sorted(set(bounds))  # prompts of 5-300 tokens, 40 new
