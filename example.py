@@ -21,7 +21,7 @@ def main():
     ap.add_argument("--model", default=None, help="a .gguf file or a HF model directory (default: the bundled SmolLM2)")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
-    llm = LLM(args.model or bundled_model_path(), device=args.device, max_model_len=2048)
+    llm = LLM(args.model or bundled_model_path(), device=args.device)
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     params = SamplingParams(temperature=0.6, top_p=0.95, max_tokens=128, seed=0)
     start = time.perf_counter()
