@@ -7,7 +7,9 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from nanovllm.logger import log_once
 from nanovllm.models.registry import GGUF_ARCHITECTURES
+from nanovllm.quant import gguf_formats
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -102,11 +104,25 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def iterate_gguf(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, fp32 tensor), each dequantized; Q/K un-permuted for llama-family files."""
+def _dequantize(t) -> torch.Tensor:
+    """A GGUF tensor as float32 in numpy's dimension order: by the torch twin of the kernels (gguf_formats) where
+    the type has one, else by the gguf package."""
+    type_name = t.tensor_type.name
+    shape = [int(n) for n in reversed(t.shape)]
+    if type_name not in ("F32", "F16", "BF16"):
+        log_once(f"GGUF {type_name} tensors are dequantized at load (kernels that keep them quantized: not yet)")
+    if type_name in gguf_formats.FORMATS:
+        raw = torch.from_numpy(np.array(t.data).view(np.uint8))  # a copy: GGUF data is a read-only map
+        return gguf_formats.dequantize(raw, type_name, shape[-1]).reshape(shape)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
+    # a copy: GGUF data is a read-only map
+    return torch.from_numpy(np.array(dequantize(t.data, GGMLQuantizationType(t.tensor_type)), dtype=np.float32))
+
+
+def iterate_gguf(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, fp32 tensor), each dequantized; Q/K un-permuted for llama-family files."""
     reader = open_gguf(path)
     permuted = _field(reader, "general.architecture") == "llama"
     for t in reader.tensors:
@@ -115,8 +131,7 @@ def iterate_gguf(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
             if t.name == "rope_freqs.weight":
                 continue
             raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
-        data = dequantize(t.data, GGMLQuantizationType(t.tensor_type))
-        tensor = torch.from_numpy(np.array(data, dtype=np.float32))  # a copy: GGUF F32 data is a read-only map
+        tensor = _dequantize(t)
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = hf_config.num_attention_heads if "q_proj" in name else hf_config.num_key_value_heads
             tensor = _unpermute_qk(tensor, heads)
