@@ -22,11 +22,19 @@ from nanovllm.weights.bundled import bundled_model_path
 from nanovllm.weights.synthetic import SHAPES, write_model
 
 
-def resolve_model(name: str, dtype: torch.dtype) -> str:
+def resolve_model(name: str, dtype: torch.dtype, tokenizer_gguf: str | None = None) -> str:
+    """'smollm2', a synthetic shape ('llama3-8b'), a synthetic GGUF ('llama3-8b:Q4_K', its tokenizer from
+    tokenizer_gguf or the bundled model), or a path."""
     if name == "smollm2":
         return bundled_model_path()
     if name in SHAPES:
         return str(write_model(name, tempfile.mkdtemp(prefix=f"nanovllm-{name}-"), dtype))
+    shape, _, type_name = name.partition(":")
+    if shape in SHAPES and type_name:
+        from nanovllm.weights.synthetic_gguf import write_gguf
+
+        return str(write_gguf(shape, type_name, os.path.join(tempfile.mkdtemp(), f"{shape}-{type_name}.gguf"),
+                              tokenizer_gguf))
     return name
 
 
@@ -261,7 +269,10 @@ def bench_prefill(args, model, dtype, hf_config):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", default="throughput", choices=["throughput", "decode1", "prefill", "sweep"])
-    ap.add_argument("--model", default="qwen3-0.6b", help="a path, 'smollm2', or a synthetic shape: " + ", ".join(SHAPES))
+    ap.add_argument("--model", default="qwen3-0.6b", help="a path, 'smollm2', a synthetic shape (" + ", ".join(SHAPES)
+                    + "), or a synthetic GGUF: SHAPE:TYPE, e.g. llama3-8b:Q4_K")
+    ap.add_argument("--tokenizer-gguf", default=None, help="synthetic GGUF: the GGUF whose tokenizer to copy "
+                    "(default: the bundled model)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--num-seqs", type=int, default=256)
@@ -282,7 +293,7 @@ def main():
     if args.repeat < 1:
         ap.error(f"--repeat must be >= 1, got {args.repeat}")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
-    model = resolve_model(args.model, dtype)
+    model = resolve_model(args.model, dtype, args.tokenizer_gguf)
     from nanovllm.weights.model_files import load_model_config
 
     hf_config, _ = load_model_config(model)

@@ -1,0 +1,136 @@
+"""Random-weight GGUF files at real shapes in any block type of quant.gguf_formats, so that quantized kernels and
+engines (ours, llama.cpp) can be benchmarked on the same file where no model hub is reachable. The blocks are random
+bytes whose f16 scales are set so that each weight matrix has mean 0 and the std of synthetic.py's dense weights;
+the tokenizer (and so the vocabulary) comes from a donor GGUF, by default the bundled SmolLM2.
+
+    python -m nanovllm.weights.synthetic_gguf llama3-8b Q4_K /tmp/llama3-8b-q4_k.gguf [--tokenizer tok.gguf]
+"""
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nanovllm.quant.gguf_formats import FORMATS, dequantize
+from nanovllm.weights.synthetic import SHAPES
+
+_SCALES = ("d",)
+_MINS = ("m", "dmin")
+
+
+def _set_f16(blocks: np.ndarray, fmt, fields, value: float):
+    for name in fields:
+        if name in dict(fmt.fields):
+            at = fmt.offset(name)
+            blocks[:, at:at + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+
+
+def _calibration(type_name: str, rng: np.random.Generator) -> tuple[float, float]:
+    """(d, min) f16 field values that give random blocks of this type mean 0 and std 1: measured by the torch
+    dequantization on 256 blocks with d = 1, min = 0 and with d = 0, min = 1."""
+    fmt = FORMATS[type_name]
+    blocks = rng.integers(0, 256, size=(256, fmt.block_bytes), dtype=np.uint8)
+
+    def values(d: float, minimum: float) -> torch.Tensor:
+        b = blocks.copy()
+        _set_f16(b, fmt, _SCALES, d)
+        _set_f16(b, fmt, _MINS, minimum)
+        return dequantize(torch.from_numpy(b), type_name, fmt.block_size * 256).double()
+
+    base, mins = values(1.0, 0.0), values(0.0, 1.0)
+    ratio = -base.mean().item() / mins.mean().item() if mins.abs().sum() > 0 else 0.0
+    std = (base + ratio * mins).std().item()
+    return 1 / std, ratio / std
+
+
+def random_blocks(type_name: str, rows: int, cols: int, std: float, rng: np.random.Generator) -> np.ndarray:
+    """A [rows, cols] weight of this type as its GGUF bytes (F32/F16/BF16 as their own dtype): mean 0, std `std`."""
+    if type_name in ("F32", "F16", "BF16"):
+        values = (std * rng.standard_normal(size=(rows, cols), dtype=np.float32))
+        if type_name == "BF16":
+            return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        return values.astype(np.float16) if type_name == "F16" else values
+    fmt = FORMATS[type_name]
+    d, minimum = _calibration(type_name, rng)
+    raw = rng.integers(0, 256, size=(rows, fmt.row_bytes(cols)), dtype=np.uint8)
+    blocks = raw.reshape(-1, fmt.block_bytes)
+    _set_f16(blocks, fmt, _SCALES, d * std)
+    _set_f16(blocks, fmt, _MINS, minimum * std)
+    return raw
+
+
+def _tensors(c: dict) -> dict[str, tuple[int, ...]]:
+    """GGUF names -> (rows, cols) of a HF config's weights (norms: (cols,))."""
+    h, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    q, kv, ff = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd, c["intermediate_size"]
+    shapes = {"token_embd.weight": (c["vocab_size"], h), "output_norm.weight": (h,), "output.weight": (c["vocab_size"], h)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"blk.{i}."
+        shapes.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,), p + "attn_q.weight": (q, h),
+                       p + "attn_k.weight": (kv, h), p + "attn_v.weight": (kv, h), p + "attn_output.weight": (h, q),
+                       p + "ffn_gate.weight": (ff, h), p + "ffn_up.weight": (ff, h), p + "ffn_down.weight": (h, ff)})
+        if c["model_type"] == "qwen3":
+            shapes.update({p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
+    return shapes
+
+
+def write_gguf(shape: str | dict, type_name: str, path: str, tokenizer: str | None = None, seed: int = 0) -> Path:
+    """Write a random-weight GGUF of `shape` (a name of synthetic.SHAPES or a HF config dict) whose weight
+    matrices are `type_name` blocks (norms F32); the vocabulary is the tokenizer donor's."""
+    import gguf
+
+    from nanovllm.weights.bundled import bundled_model_path
+
+    c = dict(SHAPES[shape] if isinstance(shape, str) else shape)
+    if type_name not in FORMATS:
+        raise ValueError(f"GGUF type {type_name!r} has no writer; choose one of {', '.join(FORMATS)}")
+    if c["model_type"] not in ("llama", "qwen2", "qwen3") or c.get("rope_scaling"):
+        raise ValueError(f"synthetic GGUF files are plain llama / qwen2 / qwen3 models, got {c['model_type']}")
+    block = FORMATS[type_name].block_size
+    odd = sorted({dims[1] for dims in _tensors(c).values() if len(dims) == 2 and dims[1] % block})
+    if odd:
+        raise ValueError(f"{type_name} rows are whole blocks of {block} weights; this shape has rows of {odd}")
+    donor = gguf.GGUFReader(tokenizer or bundled_model_path())
+    c["vocab_size"] = len(donor.fields["tokenizer.ggml.tokens"].data)
+    arch = c["model_type"]
+    writer = gguf.GGUFWriter(str(path), arch)
+    hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_key_length(hd)
+    writer.add_value_length(hd)
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_layer_norm_rms_eps(c.get("rms_norm_eps", 1e-6))
+    writer.add_vocab_size(c["vocab_size"])
+    for key, field in donor.fields.items():
+        if key.startswith("tokenizer."):
+            writer.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    rng = np.random.default_rng(seed)
+    for name, dims in _tensors(c).items():
+        if len(dims) == 1:
+            writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(dims)).astype(np.float32))
+            continue
+        data = random_blocks(type_name, *dims, (2 if name == "token_embd.weight" else 1) / math.sqrt(dims[1]), rng)
+        raw_dtype = None if data.dtype != np.uint8 else gguf.GGMLQuantizationType[type_name]
+        writer.add_tensor(name, data, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("type", choices=sorted(FORMATS))
+    ap.add_argument("out")
+    ap.add_argument("--tokenizer", default=None, help="a GGUF file whose tokenizer to copy (default: the bundled model)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    print(write_gguf(args.shape, args.type, args.out, args.tokenizer, args.seed))
