@@ -26,17 +26,20 @@ from nanovllm.kernels.activation import silu_and_mul  # noqa: E402
 from nanovllm.kernels.decode_inputs import advance_decode_inputs, prepare_decode_inputs  # noqa: E402
 from nanovllm.kernels.embedding import embedding  # noqa: E402
 from nanovllm.kernels.gemv import gemv  # noqa: E402
+from nanovllm.kernels.gguf_gemv import KERNEL_TYPES, gguf_gemv  # noqa: E402
 from nanovllm.kernels.kv_store import store_kv  # noqa: E402
 from nanovllm.kernels.paged_attention import paged_decode, paged_prefill  # noqa: E402
 from nanovllm.kernels.rms_norm import rms_norm  # noqa: E402
 from nanovllm.kernels.rotary import rotary_  # noqa: E402
 from nanovllm.kernels.sampling import gumbel_argmax  # noqa: E402
+from nanovllm.quant.gguf_formats import FORMATS  # noqa: E402
+from nanovllm.quant.gguf_weight import GGUFWeight  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED = 227 * 1024  # the H100's shared memory a block may ask for
 OPTIONS = ("num_warps", "num_stages")
 POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
-                 torch.int32: "*i32"}
+                 torch.int32: "*i32", torch.uint8: "*u8"}
 launches = []  # (kernel, args, kwargs) of every launch the wrappers made
 
 
@@ -137,6 +140,11 @@ def launch_everything():
     tile_tokens = prefill_tile_tokens(2)  # Qwen3-0.6B's group of 2 query heads a KV head
     tiles = torch.from_numpy(prefill_tiles([8] * 8, tile_tokens))
     paged_prefill(torch.randn(64, 16, 128, **bf16), k_cache, v_cache, tables, lens, starts, tiles, 0.088)
+    for type_name in KERNEL_TYPES:  # the quantized GEMV at Llama-3-8B's widest shape, 1 and 16 rows
+        fmt = FORMATS[type_name]
+        weight = GGUFWeight.from_blocks(torch.zeros(1024, fmt.row_bytes(4096), dtype=torch.uint8), type_name, (1024, 4096))
+        for rows in (1, 16):
+            gguf_gemv(torch.randn(rows, 4096, **bf16), weight)
 
 
 def main() -> int:

@@ -1,0 +1,50 @@
+"""A GGUF weight kept quantized, its blocks' fields split into one tensor each (struct of arrays): the same bytes as
+the file's array of blocks, but each field of a tile of rows lies contiguous, so a kernel loads quants and scales
+in wide aligned pieces instead of picking fields out of 18-, 34- or 210-byte blocks.
+
+fields[name] is [N, K / block_size * bytes] uint8, except the f16 scales ("d", "m", "dmin"): float16
+[N, K / block_size]. to_blocks() gives the file's bytes back; dequantize() is the reference twin of the kernels."""
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.quant.gguf_formats import FORMATS, dequantize
+
+F16_FIELDS = ("d", "m", "dmin")
+
+
+@dataclass
+class GGUFWeight:
+    type_name: str
+    shape: tuple[int, int]  # (N, K): rows of the weight, weights a row
+    fields: dict[str, torch.Tensor]
+
+    @classmethod
+    def from_blocks(cls, raw: torch.Tensor, type_name: str, shape: tuple[int, int]) -> "GGUFWeight":
+        """raw: the file's bytes of a [N, K] weight, uint8 [N, row bytes] (or flat)."""
+        fmt = FORMATS[type_name]
+        n, k = shape
+        blocks = raw.reshape(n, k // fmt.block_size, fmt.block_bytes)
+        fields, at = {}, 0
+        for name, size in fmt.fields:
+            field = blocks[:, :, at:at + size].contiguous()
+            fields[name] = field.view(torch.float16).reshape(n, -1) if name in F16_FIELDS else field.reshape(n, -1)
+            at += size
+        return cls(type_name, (n, k), fields)
+
+    def to_blocks(self) -> torch.Tensor:
+        fmt = FORMATS[self.type_name]
+        n, k = self.shape
+        parts = [self.fields[name].reshape(n, k // fmt.block_size, -1).view(torch.uint8) for name, _ in fmt.fields]
+        return torch.cat(parts, dim=-1).reshape(n, -1)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K], bit for bit gguf.quants.dequantize of the file's bytes."""
+        return dequantize(self.to_blocks(), self.type_name, self.shape[1])
+
+    def to(self, device) -> "GGUFWeight":
+        return GGUFWeight(self.type_name, self.shape, {k: v.to(device) for k, v in self.fields.items()})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.fields.values())
