@@ -22,7 +22,8 @@ sys.path.insert(0, "scripts")
 from gpu_timing import copies_needed, graph_time  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # Llama-3-8B
-CONFIGS = [(16, 8), (32, 8), (16, 16), (32, 16), (64, 8)]  # (block_n, blocks) beside the default (16, 8)
+# (block_n, blocks, num_warps): the first is gguf_gemv's default; K-quants take blocks / 8 super-blocks a step
+CONFIGS = [(32, 16, 4), (64, 16, 4), (32, 32, 4), (64, 32, 8), (128, 16, 8), (64, 8, 4), (16, 32, 4), (128, 32, 8)]
 
 
 def weight_copies(type_name: str, n: int, k: int) -> list[GGUFWeight]:
@@ -37,15 +38,15 @@ def bench_kernels(args):
     print(f"\n| device | date | mode | config |\n|---|---|---|---|\n| {torch.cuda.get_device_name()} | "
           f"{datetime.date.today()} | kernels | Llama-3-8B projections, {args.rows} row(s) of bf16 x; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s |\n")
-    print("| type | shape | bytes | us | of HBM bw | best (block_n, blocks) us | of HBM bw | bf16 GEMV us | speed-up |")
+    print("| type | shape | bytes | us | of HBM bw | best (block_n, blocks, warps) us | of HBM bw | bf16 GEMV us | speed-up |")
     print("|---|---|---|---|---|---|---|---|---|")
     for type_name in args.types:
         for name, (n, k) in SHAPES.items():
             weights = weight_copies(type_name, n, k)
             x = torch.randn(args.rows, k, dtype=torch.bfloat16, device="cuda")
             nbytes = weights[0].nbytes
-            times = {config: graph_time([lambda w=w, c=config: gguf_gemv(x, w, block_n=c[0], blocks=c[1])
-                                         for w in weights]) for config in CONFIGS}
+            times = {c: graph_time([lambda w=w, c=c: gguf_gemv(x, w, block_n=c[0], blocks=c[1], num_warps=c[2])
+                                    for w in weights]) for c in CONFIGS}
             default, best = times[CONFIGS[0]], min(times, key=times.get)
             del weights
             dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies_needed(n * k * 2))]

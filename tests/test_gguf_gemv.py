@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import kernel_tol
-from test_gguf_formats import random_tensor
+from helpers import kernel_tol, random_tensor
 
 from nanovllm.kernels.gguf_gemv import KERNEL_TYPES, gguf_gemv
 from nanovllm.quant.gguf_weight import GGUFWeight

@@ -88,12 +88,21 @@ def _q4_k_scales(s_ptr, j):
 
 
 @triton.jit
+def _per_weight(v, BLOCK_N: tl.constexpr, NB: tl.constexpr, GROUPS: tl.constexpr, SIZE: tl.constexpr):
+    """[BLOCK_N, NB, GROUPS] -> [BLOCK_N, NB * GROUPS * SIZE]: each value repeated for its SIZE weights."""
+    return tl.reshape(tl.broadcast_to(v[:, :, :, None], [BLOCK_N, NB, GROUPS, SIZE]), [BLOCK_N, NB * GROUPS * SIZE])
+
+
+@triton.jit
 def _gemv_k_quant_kernel(x_ptr, d_ptr, dmin_ptr, scales_ptr, q_ptr, qh_ptr, y_ptr, M, N, NUM_BLOCKS, stride_xm,
                          stride_d, stride_scales, stride_q, stride_qh, stride_ym, TYPE: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PRECISION: tl.constexpr,
                          PDL: tl.constexpr):
     """Q4_K (TYPE 0: d * scale * q - dmin * min, 8 sub-blocks of 32) and Q6_K (1: d * scale * (q - 32), 16
-    sub-blocks of 16), NB super-blocks of 256 weights a step, each weight's quant bits gathered in weight order."""
+    sub-blocks of 16), NB super-blocks of 256 weights a step. Both hold 128 bytes of low quant bits a super-block,
+    read here as one contiguous tile: their low nibbles are weights e, their high nibbles weights e + 32 (Q4_K:
+    byte 32c + i holds weights 64c + i and 64c + 32 + i) or e + 64 (Q6_K: byte 64h + 32j + i, weights 128h + 32j + i
+    and 128h + 64 + 32j + i, whose top 2 bits are in qh byte 32h + i at bits 2j and 4 + 2j)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
@@ -101,45 +110,54 @@ def _gemv_k_quant_kernel(x_ptr, d_ptr, dmin_ptr, scales_ptr, q_ptr, qh_ptr, y_pt
     cols64 = tl.where(col_ok, cols, 0).to(tl.int64)  # columns past N read row 0 and are not stored
     wait_then_release(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    e = tl.arange(0, NB * 256)  # weight of the tile
-    sb = e // 256
-    r = e % 256  # weight within its super-block
+    u = tl.arange(0, NB * 128)  # low-bits byte of the tile
+    sb, v = u // 128, u % 128  # its super-block in the tile, its byte in the super-block
+    if TYPE == 0:
+        first = sb * 256 + (v // 32) * 64 + v % 32  # the weight of its low nibble, in the tile
+        second = first + 32
+    else:
+        first = sb * 256 + (v // 64) * 128 + v % 64
+        second = first + 64
     for b0 in range(0, NUM_BLOCKS, NB):
         blk = b0 + tl.arange(0, NB)
-        mask = col_ok[:, None] & (blk < NUM_BLOCKS)[None, :]
-        blk = tl.where(blk < NUM_BLOCKS, blk, 0)  # masked super-blocks read block 0 and multiply zeros
+        blk_ok = blk < NUM_BLOCKS
+        mask = col_ok[:, None] & blk_ok[None, :]
+        u_ok = b0 + sb < NUM_BLOCKS
+        u_mask = col_ok[:, None] & u_ok[None, :]
         d = tl.load(d_ptr + cols64[:, None] * stride_d + blk[None, :], mask=mask, other=0.0).to(tl.float32)
-        rows_q = q_ptr + cols64[:, None] * stride_q + ((b0 + sb) % NUM_BLOCKS)[None, :] * 128
+        q = tl.load(q_ptr + cols64[:, None] * stride_q + (b0 * 128 + u)[None, :], mask=u_mask, other=0)
         if TYPE == 0:
             dmin = tl.load(dmin_ptr + cols64[:, None] * stride_d + blk[None, :], mask=mask, other=0.0).to(tl.float32)
-            scale, minimum = _q4_k_scales(scales_ptr + cols64[:, None] * stride_scales + blk[None, :] * 12,
-                                          tl.arange(0, 8))
-            byte = tl.load(rows_q + ((r // 64) * 32 + r % 32)[None, :])
-            q = ((byte >> (((r // 32) % 2) * 4)[None, :]) & 15).to(tl.float32)
-            step = tl.reshape(tl.broadcast_to((d[:, :, None] * scale)[:, :, :, None], [BLOCK_N, NB, 8, 32]),
-                              [BLOCK_N, NB * 256])
-            offset = tl.reshape(tl.broadcast_to((dmin[:, :, None] * minimum)[:, :, :, None], [BLOCK_N, NB, 8, 32]),
-                                [BLOCK_N, NB * 256])
-            w = step * q - offset
+            scale_ptr = scales_ptr + cols64[:, None] * stride_scales + tl.where(blk_ok, blk, 0)[None, :] * 12
+            sub = tl.arange(0, 4) * 2
+            sc_first, mn_first = _q4_k_scales(scale_ptr, sub)
+            sc_second, mn_second = _q4_k_scales(scale_ptr, sub + 1)
+            w_first = (_per_weight(d[:, :, None] * sc_first, BLOCK_N, NB, 4, 32) * (q & 15).to(tl.float32)
+                       - _per_weight(dmin[:, :, None] * mn_first, BLOCK_N, NB, 4, 32))
+            w_second = (_per_weight(d[:, :, None] * sc_second, BLOCK_N, NB, 4, 32) * (q >> 4).to(tl.float32)
+                        - _per_weight(dmin[:, :, None] * mn_second, BLOCK_N, NB, 4, 32))
         else:
-            scale = tl.load(scales_ptr + cols64[:, None, None] * stride_scales + blk[None, :, None] * 16
-                            + tl.arange(0, 16)[None, None, :]).to(tl.int8, bitcast=True).to(tl.float32)
-            low = tl.load(rows_q + ((r // 128) * 64 + r % 64)[None, :])
-            high = tl.load(qh_ptr + cols64[:, None] * stride_qh + ((b0 + sb) % NUM_BLOCKS)[None, :] * 64
-                           + ((r // 128) * 32 + r % 32)[None, :])
-            q = ((low >> (((r % 128) // 64) * 4)[None, :]) & 15) | (((high >> (((r % 128) // 32) * 2)[None, :]) & 3) << 4)
-            step = tl.reshape(tl.broadcast_to((d[:, :, None] * scale)[:, :, :, None], [BLOCK_N, NB, 16, 16]),
-                              [BLOCK_N, NB * 256])
-            w = step * (q.to(tl.int32) - 32).to(tl.float32)
-        w = tl.where(tl.reshape(tl.broadcast_to(mask[:, :, None], [BLOCK_N, NB, 256]), [BLOCK_N, NB * 256]), w, 0.0)
-        x = _x_tile(x_ptr, rows, row_ok, stride_xm, b0 * 256 + e, b0 + sb < NUM_BLOCKS)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+            j = (v % 64) // 32
+            qh = tl.load(qh_ptr + cols64[:, None] * stride_qh + (b0 * 64 + sb * 64 + (v // 64) * 32 + v % 32)[None, :],
+                         mask=u_mask, other=0)
+            q_first = ((q & 15) | (((qh >> (2 * j)[None, :]) & 3) << 4)).to(tl.int32) - 32
+            q_second = ((q >> 4) | (((qh >> (4 + 2 * j)[None, :]) & 3) << 4)).to(tl.int32) - 32
+            scale_row = scales_ptr + cols64[:, None] * stride_scales + (b0 * 16)
+            s_first = tl.load(scale_row + (sb * 16 + (first % 256) // 16)[None, :], mask=u_mask, other=0)
+            s_second = tl.load(scale_row + (sb * 16 + (second % 256) // 16)[None, :], mask=u_mask, other=0)
+            d_u = tl.reshape(tl.broadcast_to(d[:, :, None], [BLOCK_N, NB, 128]), [BLOCK_N, NB * 128])
+            w_first = (d_u * s_first.to(tl.int8, bitcast=True).to(tl.float32)) * q_first.to(tl.float32)
+            w_second = (d_u * s_second.to(tl.int8, bitcast=True).to(tl.float32)) * q_second.to(tl.float32)
+        x_first = _x_tile(x_ptr, rows, row_ok, stride_xm, b0 * 256 + first, u_ok)
+        x_second = _x_tile(x_ptr, rows, row_ok, stride_xm, b0 * 256 + second, u_ok)
+        acc = tl.dot(x_first, tl.trans(w_first.to(x_first.dtype)), acc, input_precision=PRECISION)
+        acc = tl.dot(x_second, tl.trans(w_second.to(x_second.dtype)), acc, input_precision=PRECISION)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def gguf_gemv(x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor | None = None, block_n: int = 16,
-              blocks: int = 8, num_warps: int = 4) -> torch.Tensor:
+def gguf_gemv(x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor | None = None, block_n: int = 32,
+              blocks: int = 16, num_warps: int = 4) -> torch.Tensor:
     """x: [M <= MAX_ROWS, K] (rows contiguous) -> [M, N] in x's dtype. out: [M, N] to write into, else a new tensor."""
     n, k = weight.shape
     m = x.shape[0]
