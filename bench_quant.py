@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 import torch
+import triton
 
 from bench import measure_hbm_bandwidth
 from nanovllm.kernels.gemv import gemv
@@ -23,7 +24,8 @@ from gpu_timing import copies_needed, graph_time  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # Llama-3-8B
 # (block_n, blocks, num_warps): the first is gguf_gemv's default; K-quants take blocks / 8 super-blocks a step
-CONFIGS = [(32, 16, 4), (64, 16, 4), (32, 32, 4), (64, 32, 8), (128, 16, 8), (64, 8, 4), (16, 32, 4), (128, 32, 8)]
+CONFIGS = [(32, 16, 4), (64, 16, 4), (32, 32, 4), (64, 32, 8), (128, 16, 8), (64, 8, 4), (16, 32, 4), (128, 8, 4),
+           (16, 16, 2)]
 
 
 def weight_copies(type_name: str, n: int, k: int) -> list[GGUFWeight]:
@@ -45,8 +47,13 @@ def bench_kernels(args):
             weights = weight_copies(type_name, n, k)
             x = torch.randn(args.rows, k, dtype=torch.bfloat16, device="cuda")
             nbytes = weights[0].nbytes
-            times = {c: graph_time([lambda w=w, c=c: gguf_gemv(x, w, block_n=c[0], blocks=c[1], num_warps=c[2])
-                                    for w in weights]) for c in CONFIGS}
+            times = {}
+            for c in CONFIGS:
+                try:
+                    times[c] = graph_time([lambda w=w, c=c: gguf_gemv(x, w, block_n=c[0], blocks=c[1], num_warps=c[2])
+                                           for w in weights])
+                except triton.runtime.errors.OutOfResources:  # tiles over the shared memory of an SM
+                    pass
             default, best = times[CONFIGS[0]], min(times, key=times.get)
             del weights
             dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies_needed(n * k * 2))]

@@ -1,8 +1,8 @@
 """y = x W^T for a few rows of x (decode) with W a GGUF weight kept quantized (quant.gguf_weight.GGUFWeight): each
 program owns BLOCK_N rows of W, reads each of their bytes once, dequantizes a tile of blocks in registers as the
-torch twin does (the same f32 products, then the activations' dtype) and multiplies it on the tensor cores with x
-padded to 16 rows. Reference: F.linear(x, weight.dequantize()). Q4_0, Q4_1, Q8_0, Q4_K and Q6_K so far
-(KERNEL_TYPES)."""
+torch twin does (the same f32 products, then the activations' dtype) and multiplies it with x: one row in
+registers, more on the tensor cores, padded to 16 rows. Reference: F.linear(x, weight.dequantize()). Q4_0, Q4_1,
+Q8_0 and Q4_K so far (KERNEL_TYPES)."""
 import torch
 import triton
 import triton.language as tl
@@ -12,8 +12,7 @@ from nanovllm.quant.gguf_weight import GGUFWeight
 
 MAX_ROWS = 64
 _BLOCK32 = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # types of 32-weight blocks, by their kernel's TYPE constexpr
-_K_QUANTS = {"Q4_K": 0, "Q6_K": 1}  # types of 256-weight super-blocks, likewise
-KERNEL_TYPES = (*_BLOCK32, *_K_QUANTS)
+KERNEL_TYPES = (*_BLOCK32, "Q4_K")
 
 
 @triton.jit
@@ -21,6 +20,17 @@ def _x_tile(x_ptr, rows, row_ok, stride_xm, elements, element_ok):
     """[BLOCK_M, T] activations at these weight indices (0 where masked)."""
     return tl.load(x_ptr + rows[:, None] * stride_xm + elements[None, :], mask=row_ok[:, None] & element_ok[None, :],
                    other=0.0)
+
+
+@triton.jit
+def _accumulate(acc, x, w, PRECISION: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] + x [BLOCK_M, T] @ w [BLOCK_N, T]^T, w rounded to x's dtype first (as the dense path
+    holds it): on the tensor cores for 16+ rows, else as f32 products summed in registers (one row: no tile of x
+    padded to 16 rows, no staging of w through shared memory)."""
+    w = w.to(x.dtype)
+    if x.shape[0] >= 16:
+        return tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return acc + tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
 
 
 @triton.jit
@@ -54,7 +64,7 @@ def _gemv_block32_kernel(x_ptr, d_ptr, m_ptr, qs_ptr, y_ptr, M, N, NUM_BLOCKS, s
         if TYPE == 2:
             w = _scaled(qs.to(tl.int8, bitcast=True).to(tl.float32), d, BLOCK_N, NB, 32)
             x = _x_tile(x_ptr, rows, row_ok, stride_xm, b0 * 32 + t, t_ok)
-            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+            acc = _accumulate(acc, x, w, PRECISION)
         else:
             low, high = (qs & 15).to(tl.float32), (qs >> 4).to(tl.float32)
             if TYPE == 0:
@@ -66,8 +76,8 @@ def _gemv_block32_kernel(x_ptr, d_ptr, m_ptr, qs_ptr, y_ptr, M, N, NUM_BLOCKS, s
             first = b0 * 32 + (t // 16) * 32 + t % 16  # the weight index of each byte's low nibble
             x_low = _x_tile(x_ptr, rows, row_ok, stride_xm, first, t_ok)
             x_high = _x_tile(x_ptr, rows, row_ok, stride_xm, first + 16, t_ok)
-            acc = tl.dot(x_low, tl.trans(low.to(x_low.dtype)), acc, input_precision=PRECISION)
-            acc = tl.dot(x_high, tl.trans(high.to(x_high.dtype)), acc, input_precision=PRECISION)
+            acc = _accumulate(acc, x_low, low, PRECISION)
+            acc = _accumulate(acc, x_high, high, PRECISION)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -94,15 +104,12 @@ def _per_weight(v, BLOCK_N: tl.constexpr, NB: tl.constexpr, GROUPS: tl.constexpr
 
 
 @triton.jit
-def _gemv_k_quant_kernel(x_ptr, d_ptr, dmin_ptr, scales_ptr, q_ptr, qh_ptr, y_ptr, M, N, NUM_BLOCKS, stride_xm,
-                         stride_d, stride_scales, stride_q, stride_qh, stride_ym, TYPE: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, PRECISION: tl.constexpr,
-                         PDL: tl.constexpr):
-    """Q4_K (TYPE 0: d * scale * q - dmin * min, 8 sub-blocks of 32) and Q6_K (1: d * scale * (q - 32), 16
-    sub-blocks of 16), NB super-blocks of 256 weights a step. Both hold 128 bytes of low quant bits a super-block,
-    read here as one contiguous tile: their low nibbles are weights e, their high nibbles weights e + 32 (Q4_K:
-    byte 32c + i holds weights 64c + i and 64c + 32 + i) or e + 64 (Q6_K: byte 64h + 32j + i, weights 128h + 32j + i
-    and 128h + 64 + 32j + i, whose top 2 bits are in qh byte 32h + i at bits 2j and 4 + 2j)."""
+def _gemv_q4_k_kernel(x_ptr, d_ptr, dmin_ptr, scales_ptr, q_ptr, y_ptr, M, N, NUM_BLOCKS, stride_xm, stride_d,
+                      stride_scales, stride_q, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      NB: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Q4_K: d * scale * q - dmin * min in 8 sub-blocks of 32, NB super-blocks of 256 weights a step. Its
+    128 quant bytes a super-block are read as one contiguous tile: byte 32c + i holds weight 64c + i in its low nibble
+    and 64c + 32 + i in its high nibble."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, BLOCK_M)
@@ -112,12 +119,8 @@ def _gemv_k_quant_kernel(x_ptr, d_ptr, dmin_ptr, scales_ptr, q_ptr, qh_ptr, y_pt
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     u = tl.arange(0, NB * 128)  # low-bits byte of the tile
     sb, v = u // 128, u % 128  # its super-block in the tile, its byte in the super-block
-    if TYPE == 0:
-        first = sb * 256 + (v // 32) * 64 + v % 32  # the weight of its low nibble, in the tile
-        second = first + 32
-    else:
-        first = sb * 256 + (v // 64) * 128 + v % 64
-        second = first + 64
+    first = sb * 256 + (v // 32) * 64 + v % 32  # the weight of its low nibble, in the tile
+    second = first + 32
     for b0 in range(0, NUM_BLOCKS, NB):
         blk = b0 + tl.arange(0, NB)
         blk_ok = blk < NUM_BLOCKS
@@ -126,32 +129,19 @@ def _gemv_k_quant_kernel(x_ptr, d_ptr, dmin_ptr, scales_ptr, q_ptr, qh_ptr, y_pt
         u_mask = col_ok[:, None] & u_ok[None, :]
         d = tl.load(d_ptr + cols64[:, None] * stride_d + blk[None, :], mask=mask, other=0.0).to(tl.float32)
         q = tl.load(q_ptr + cols64[:, None] * stride_q + (b0 * 128 + u)[None, :], mask=u_mask, other=0)
-        if TYPE == 0:
-            dmin = tl.load(dmin_ptr + cols64[:, None] * stride_d + blk[None, :], mask=mask, other=0.0).to(tl.float32)
-            scale_ptr = scales_ptr + cols64[:, None] * stride_scales + tl.where(blk_ok, blk, 0)[None, :] * 12
-            sub = tl.arange(0, 4) * 2
-            sc_first, mn_first = _q4_k_scales(scale_ptr, sub)
-            sc_second, mn_second = _q4_k_scales(scale_ptr, sub + 1)
-            w_first = (_per_weight(d[:, :, None] * sc_first, BLOCK_N, NB, 4, 32) * (q & 15).to(tl.float32)
-                       - _per_weight(dmin[:, :, None] * mn_first, BLOCK_N, NB, 4, 32))
-            w_second = (_per_weight(d[:, :, None] * sc_second, BLOCK_N, NB, 4, 32) * (q >> 4).to(tl.float32)
-                        - _per_weight(dmin[:, :, None] * mn_second, BLOCK_N, NB, 4, 32))
-        else:
-            j = (v % 64) // 32
-            qh = tl.load(qh_ptr + cols64[:, None] * stride_qh + (b0 * 64 + sb * 64 + (v // 64) * 32 + v % 32)[None, :],
-                         mask=u_mask, other=0)
-            q_first = ((q & 15) | (((qh >> (2 * j)[None, :]) & 3) << 4)).to(tl.int32) - 32
-            q_second = ((q >> 4) | (((qh >> (4 + 2 * j)[None, :]) & 3) << 4)).to(tl.int32) - 32
-            scale_row = scales_ptr + cols64[:, None] * stride_scales + (b0 * 16)
-            s_first = tl.load(scale_row + (sb * 16 + (first % 256) // 16)[None, :], mask=u_mask, other=0)
-            s_second = tl.load(scale_row + (sb * 16 + (second % 256) // 16)[None, :], mask=u_mask, other=0)
-            d_u = tl.reshape(tl.broadcast_to(d[:, :, None], [BLOCK_N, NB, 128]), [BLOCK_N, NB * 128])
-            w_first = (d_u * s_first.to(tl.int8, bitcast=True).to(tl.float32)) * q_first.to(tl.float32)
-            w_second = (d_u * s_second.to(tl.int8, bitcast=True).to(tl.float32)) * q_second.to(tl.float32)
+        dmin = tl.load(dmin_ptr + cols64[:, None] * stride_d + blk[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale_ptr = scales_ptr + cols64[:, None] * stride_scales + tl.where(blk_ok, blk, 0)[None, :] * 12
+        sub = tl.arange(0, 4) * 2  # the sub-blocks of the low nibbles; the high nibbles' are sub + 1
+        sc_first, mn_first = _q4_k_scales(scale_ptr, sub)
+        sc_second, mn_second = _q4_k_scales(scale_ptr, sub + 1)
+        w_first = (_per_weight(d[:, :, None] * sc_first, BLOCK_N, NB, 4, 32) * (q & 15).to(tl.float32)
+                   - _per_weight(dmin[:, :, None] * mn_first, BLOCK_N, NB, 4, 32))
+        w_second = (_per_weight(d[:, :, None] * sc_second, BLOCK_N, NB, 4, 32) * (q >> 4).to(tl.float32)
+                    - _per_weight(dmin[:, :, None] * mn_second, BLOCK_N, NB, 4, 32))
         x_first = _x_tile(x_ptr, rows, row_ok, stride_xm, b0 * 256 + first, u_ok)
         x_second = _x_tile(x_ptr, rows, row_ok, stride_xm, b0 * 256 + second, u_ok)
-        acc = tl.dot(x_first, tl.trans(w_first.to(x_first.dtype)), acc, input_precision=PRECISION)
-        acc = tl.dot(x_second, tl.trans(w_second.to(x_second.dtype)), acc, input_precision=PRECISION)
+        acc = _accumulate(acc, x_first, w_first, PRECISION)
+        acc = _accumulate(acc, x_second, w_second, PRECISION)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -165,7 +155,7 @@ def gguf_gemv(x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor | None = No
     assert m <= MAX_ROWS and x.shape[1] == k and x.stride(1) == 1
     f = weight.fields
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    common = dict(BLOCK_M=max(16, triton.next_power_of_2(m)), BLOCK_N=block_n,
+    common = dict(BLOCK_M=1 if m == 1 else max(16, triton.next_power_of_2(m)), BLOCK_N=block_n,
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps, **pdl_launch(x.device))
     grid = (triton.cdiv(n, block_n),)
     if weight.type_name in _BLOCK32:
@@ -173,9 +163,7 @@ def gguf_gemv(x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor | None = No
             x, f["d"], f.get("m", f["d"]), f["qs"], y, m, n, k // 32, x.stride(0), f["d"].stride(0), f["qs"].stride(0),
             y.stride(0), TYPE=_BLOCK32[weight.type_name], NB=blocks, **common)
     else:
-        q, qh = (f["qs"], f["qs"]) if weight.type_name == "Q4_K" else (f["ql"], f["qh"])
-        _gemv_k_quant_kernel[grid](
-            x, f["d"], f.get("dmin", f["d"]), f["scales"], q, qh, y, m, n, k // 256, x.stride(0), f["d"].stride(0),
-            f["scales"].stride(0), q.stride(0), qh.stride(0), y.stride(0), TYPE=_K_QUANTS[weight.type_name],
-            NB=max(1, blocks // 8), **common)
+        _gemv_q4_k_kernel[grid](
+            x, f["d"], f["dmin"], f["scales"], f["qs"], y, m, n, k // 256, x.stride(0), f["d"].stride(0),
+            f["scales"].stride(0), f["qs"].stride(0), y.stride(0), NB=max(1, blocks // 8), **common)
     return y

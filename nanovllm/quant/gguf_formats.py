@@ -59,22 +59,26 @@ def _fields(blocks: torch.Tensor, fmt: BlockFormat) -> dict[str, torch.Tensor]:
     return out
 
 
+def _shifts(shifts: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(shifts, dtype=torch.uint8, device=like.device)
+
+
 def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     """Bytes [n, g * group] -> [n, g, 2 * group]: each group's low nibbles, then its high nibbles."""
-    qs = qs.reshape(qs.shape[0], -1, 1, group) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
+    qs = qs.reshape(qs.shape[0], -1, 1, group) >> _shifts([0, 4], qs).reshape(1, 1, 2, 1)
     return (qs & 0x0F).reshape(qs.shape[0], -1, 2 * group)
 
 
 def _bits(x: torch.Tensor, group: int, shifts: list[int], mask: int) -> torch.Tensor:
     """Bytes [n, g * group] -> [n, g, len(shifts) * group]: (x >> shift) & mask for each shift in turn."""
-    x = x.reshape(x.shape[0], -1, 1, group) >> torch.tensor(shifts, dtype=torch.uint8).reshape(1, 1, -1, 1)
+    x = x.reshape(x.shape[0], -1, 1, group) >> _shifts(shifts, x).reshape(1, 1, -1, 1)
     return (x & mask).reshape(x.shape[0], -1, len(shifts) * group)
 
 
 def _high_bits_32(qh: torch.Tensor) -> torch.Tensor:
     """Q5_0/Q5_1's 4-byte little-endian mask [n, 4] -> bit j of it for each of the block's 32 weights [n, 32]."""
     word = qh.contiguous().view(torch.int32)
-    return ((word >> torch.arange(32, dtype=torch.int32)) & 1).to(torch.uint8)
+    return ((word >> torch.arange(32, dtype=torch.int32, device=qh.device)) & 1).to(torch.uint8)
 
 
 def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,8 +127,8 @@ def _q2_k(f):
 def _q3_k(f):
     n = f["qs"].shape[0]
     low, high = f["scales"][:, :8], f["scales"][:, 8:]
-    low = (low.reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 2, 1)).reshape(n, 16)
-    high = (high.reshape(n, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 4, 1)).reshape(n, 16)
+    low = (low.reshape(n, 1, 8) >> _shifts([0, 4], low).reshape(1, 2, 1)).reshape(n, 16)
+    high = (high.reshape(n, 1, 4) >> _shifts([0, 2, 4, 6], high).reshape(1, 4, 1)).reshape(n, 16)
     scales = ((low & 0x0F) | ((high & 0x03) << 4)).to(torch.int8) - 32
     dl = (f["d"] * scales.float()).reshape(n, 16, 1)
     ql = _bits(f["qs"], 32, [0, 2, 4, 6], 3).reshape(n, 16, 16)
