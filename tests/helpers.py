@@ -1,7 +1,7 @@
 import numpy as np
 import torch
 
-from nanovllm.quant.gguf_formats import FORMATS
+from nanovllm.quant.gguf_formats import DENSE_TYPES, F16_FIELDS, FORMATS
 
 
 def kernel_tol(dtype: torch.dtype) -> dict:
@@ -30,7 +30,7 @@ def random_tensor(type_name: str, rows: int, cols: int, rng: np.random.Generator
     """uint8 [rows, row bytes] of random blocks whose f16 scales are small and finite (any byte pattern of the rest
     is a valid block)."""
     fmt = FORMATS[type_name]
-    if type_name in ("F32", "F16", "BF16"):
+    if type_name in DENSE_TYPES:
         values = rng.normal(size=(rows, cols)).astype(np.float32)
         if type_name == "F16":
             return values.astype(np.float16).view(np.uint8)
@@ -38,7 +38,7 @@ def random_tensor(type_name: str, rows: int, cols: int, rng: np.random.Generator
     raw = rng.integers(0, 256, size=(rows, fmt.row_bytes(cols)), dtype=np.uint8)
     blocks = raw.reshape(-1, fmt.block_bytes)
     for name, _ in fmt.fields:
-        if name in ("d", "m", "dmin"):
+        if name in F16_FIELDS:
             at = fmt.offset(name)
             scales = rng.normal(0, 0.01, size=blocks.shape[0]).astype(np.float16)
             blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)

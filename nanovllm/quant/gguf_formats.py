@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 
 QK_K = 256  # weights a K-quant super-block
+DENSE_TYPES = ("F32", "F16", "BF16")  # one weight a "block": no quantization
+F16_FIELDS = ("d", "m", "dmin")  # the f16 scale (d) and offset (m, dmin) fields
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ def _fields(blocks: torch.Tensor, fmt: BlockFormat) -> dict[str, torch.Tensor]:
     out, at = {}, 0
     for name, size in fmt.fields:
         raw = blocks[:, at:at + size]
-        out[name] = raw.contiguous().view(torch.float16).float() if name in ("d", "m", "dmin") else raw
+        out[name] = raw.contiguous().view(torch.float16).float() if name in F16_FIELDS else raw
         at += size
     return out
 
@@ -175,7 +177,7 @@ def dequantize(raw: torch.Tensor, type_name: str, cols: int) -> torch.Tensor:
         raise ValueError(f"a {type_name} row of {cols} weights is not whole blocks of {fmt.block_size}")
     raw = raw.reshape(-1, fmt.row_bytes(cols))
     rows = raw.shape[0]
-    if type_name in ("F32", "F16", "BF16"):
+    if type_name in DENSE_TYPES:
         dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[type_name]
         return raw.contiguous().view(dtype).float()
     blocks = raw.reshape(-1, fmt.block_bytes)

@@ -8,9 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.quant.gguf_formats import FORMATS, dequantize
-
-F16_FIELDS = ("d", "m", "dmin")
+from nanovllm.quant.gguf_formats import F16_FIELDS, FORMATS, dequantize
 
 
 @dataclass

@@ -109,7 +109,7 @@ def _dequantize(t) -> torch.Tensor:
     the type has one, else by the gguf package."""
     type_name = t.tensor_type.name
     shape = [int(n) for n in reversed(t.shape)]
-    if type_name not in ("F32", "F16", "BF16"):
+    if type_name not in gguf_formats.DENSE_TYPES:
         log_once(f"GGUF {type_name} tensors are dequantized at load (kernels that keep them quantized: not yet)")
     if type_name in gguf_formats.FORMATS:
         raw = torch.from_numpy(np.array(t.data).view(np.uint8))  # a copy: GGUF data is a read-only map

@@ -6,17 +6,18 @@ the tokenizer (and so the vocabulary) comes from a donor GGUF, by default the bu
     python -m nanovllm.weights.synthetic_gguf llama3-8b Q4_K /tmp/llama3-8b-q4_k.gguf [--tokenizer tok.gguf]
 """
 import argparse
+import functools
 import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from nanovllm.quant.gguf_formats import FORMATS, dequantize
+from nanovllm.quant.gguf_formats import DENSE_TYPES, FORMATS, dequantize
 from nanovllm.weights.synthetic import SHAPES
 
 _SCALES = ("d",)
-_MINS = ("m", "dmin")
+_MINS = ("m", "dmin")  # gguf_formats.F16_FIELDS, the scale apart from the offsets
 
 
 def _set_f16(blocks: np.ndarray, fmt, fields, value: float):
@@ -26,11 +27,12 @@ def _set_f16(blocks: np.ndarray, fmt, fields, value: float):
             blocks[:, at:at + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
 
 
-def _calibration(type_name: str, rng: np.random.Generator) -> tuple[float, float]:
-    """(d, min) f16 field values that give random blocks of this type mean 0 and std 1: measured by the torch
-    dequantization on 256 blocks with d = 1, min = 0 and with d = 0, min = 1."""
+@functools.cache
+def _calibration(type_name: str) -> tuple[float, float]:
+    """(d, min) f16 field values that give random blocks of this type mean 0 and std 1: measured once a type by the
+    torch dequantization on 256 random blocks with d = 1, min = 0 and with d = 0, min = 1."""
     fmt = FORMATS[type_name]
-    blocks = rng.integers(0, 256, size=(256, fmt.block_bytes), dtype=np.uint8)
+    blocks = np.random.default_rng(0).integers(0, 256, size=(256, fmt.block_bytes), dtype=np.uint8)
 
     def values(d: float, minimum: float) -> torch.Tensor:
         b = blocks.copy()
@@ -46,13 +48,13 @@ def _calibration(type_name: str, rng: np.random.Generator) -> tuple[float, float
 
 def random_blocks(type_name: str, rows: int, cols: int, std: float, rng: np.random.Generator) -> np.ndarray:
     """A [rows, cols] weight of this type as its GGUF bytes (F32/F16/BF16 as their own dtype): mean 0, std `std`."""
-    if type_name in ("F32", "F16", "BF16"):
+    if type_name in DENSE_TYPES:
         values = (std * rng.standard_normal(size=(rows, cols), dtype=np.float32))
         if type_name == "BF16":
             return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
         return values.astype(np.float16) if type_name == "F16" else values
     fmt = FORMATS[type_name]
-    d, minimum = _calibration(type_name, rng)
+    d, minimum = _calibration(type_name)
     raw = rng.integers(0, 256, size=(rows, fmt.row_bytes(cols)), dtype=np.uint8)
     blocks = raw.reshape(-1, fmt.block_bytes)
     _set_f16(blocks, fmt, _SCALES, d * std)
