@@ -15,12 +15,17 @@ class AttentionBackend:
     supports_cuda_graphs = False  # True: decode reads only device tensors, so a captured graph can replay it
     supports_prefill_graphs = True  # with supports_cuda_graphs: steps with prefills may replay graphs too
     rotates_decode = False  # True: forward takes `rope` on decode steps, with q and k unrotated
+    cuda_decode = False  # True: decode steps of few sequences may take kernels.paged_decode_cluster (on self.device)
 
     def decode_context_bounds(self, num_seqs: int, max_model_len: int) -> list[int]:
         """The context-length bounds (ascending, the last max_model_len) at which a decode step of num_seqs sequences
         may take another kernel plan: decode graphs are captured per bound, and every decode step, eager or
         replayed, is planned for the smallest bound that holds its longest context (decode_context_bound)."""
-        return [max_model_len]
+        if not self.cuda_decode:
+            return [max_model_len]
+        from nanovllm.kernels import paged_decode_cluster
+
+        return paged_decode_cluster.context_bounds(num_seqs, max_model_len, self.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
                 v_cache: torch.Tensor | None, meta: AttentionMetadata, scale: float,

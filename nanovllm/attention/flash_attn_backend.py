@@ -54,13 +54,7 @@ class FlashAttnBackend(AttentionBackend):
         self.max_model_len = max_model_len
         self.device = device
         # decode steps take q and k unrotated where the CUDA kernel may take some of them
-        self.rotates_decode = paged_decode_cluster.serves(device)
-        self._context_bounds = paged_decode_cluster.context_bounds
-
-    def decode_context_bounds(self, num_seqs: int, max_model_len: int) -> list[int]:
-        if not self.rotates_decode:
-            return [max_model_len]
-        return self._context_bounds(num_seqs, max_model_len, self.device)
+        self.cuda_decode = self.rotates_decode = paged_decode_cluster.serves(device)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope=None):
         if k_cache is None:

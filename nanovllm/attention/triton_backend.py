@@ -24,11 +24,6 @@ class TritonAttentionBackend(AttentionBackend):
         self.cuda_decode = paged_decode_cluster.serves(device)
         self._reference = TorchAttentionBackend()  # for the memory-profiling run, which has no cache
 
-    def decode_context_bounds(self, num_seqs: int, max_model_len: int) -> list[int]:
-        if not self.cuda_decode:
-            return [max_model_len]
-        return paged_decode_cluster.context_bounds(num_seqs, max_model_len, self.device)
-
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, rope=None):
         if k_cache is None:
             return self._reference.forward(q, k, v, None, None, meta, scale)
