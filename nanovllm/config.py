@@ -24,6 +24,7 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     tokenizer: str | None = None
+    quantization: str | None = None  # "gguf": the file's quantized weights stay quantized; None: dense
 
     @property
     def vocab_size(self) -> int:
@@ -55,6 +56,9 @@ class Config:
     async_scheduling: bool = True  # launch a decode batch's next step before reading its tokens back
     seed: int = 0
     attention_backend: str | None = None  # None: the device's default
+    # None: a .gguf file's weights stay quantized on CUDA ("gguf"), and are dequantized at load on CPU, where the
+    # kept-quantized path is slower; "gguf": kept quantized on either; "none": dense
+    quantization: str | None = None
     model_config: ModelConfig = field(init=False)
 
     def __post_init__(self):
@@ -74,7 +78,8 @@ class Config:
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                  f"kv_cache_memory_bytes must be None or > 0, got {self.kv_cache_memory_bytes}")
         hf_config, fmt = load_model_config(self.model)
-        dtype = self._resolve_dtype(hf_config)
+        quantization = self._resolve_quantization(fmt)
+        dtype = self._resolve_dtype(hf_config, fmt)
         if self.block_size is None:
             from nanovllm.attention.selector import default_block_size
 
@@ -83,7 +88,7 @@ class Config:
                  f"block_size must be a power of two from 1 to 256, got {self.block_size}")
         max_model_len = self._resolve_max_model_len(hf_config)
         self.model_config = ModelConfig(os.fspath(self.model), fmt, hf_config, dtype, max_model_len,
-                                        self.tokenizer)
+                                        self.tokenizer, quantization)
 
     @staticmethod
     def _resolve_device(device: str) -> str:
@@ -95,7 +100,25 @@ class Config:
             _require(torch.cuda.is_available(), "device='cuda' but torch sees no CUDA GPU; use device='cpu'")
         return device
 
-    def _resolve_dtype(self, hf_config) -> torch.dtype:
+    def _resolve_quantization(self, fmt: str) -> str | None:
+        q = self.quantization
+        if q in ("fp8", "int8", "int4"):
+            _require(fmt != "gguf", f"quantization={q!r} asks to quantize a 16-bit checkpoint, but {self.model} is a "
+                                    "GGUF file, already quantized; pass quantization=None to keep its types")
+            raise NotImplementedError(f"quantization={q!r} (quantize at load) is not built yet; "
+                                      "GGUF files keep their quantization (quantization='gguf')")
+        _require(q in (None, "gguf", "none"),
+                 f"quantization must be None, 'gguf' or 'none' (fp8, int8, int4: not yet), got {q!r}")
+        if q == "gguf":
+            _require(fmt == "gguf", f"quantization='gguf' needs a .gguf model file; {self.model} is {fmt}")
+        if q is None and fmt == "gguf":
+            q = "gguf" if self.device != "cpu" else None
+            if q is None:
+                log_once("GGUF on CPU: weights dequantized to fp32 at load, the fastest CPU path here; "
+                         "quantization='gguf' keeps them quantized in RAM")
+        return None if q == "none" else q
+
+    def _resolve_dtype(self, hf_config, fmt: str) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):
             dtype = self.dtype
         elif self.dtype == "auto":
@@ -104,7 +127,9 @@ class Config:
             else:
                 dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
                 dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-                if dtype not in (torch.float16, torch.bfloat16):
+                if fmt == "gguf":  # fp16 agrees with HF fp32 far more often than bf16 on GGUF files (docs)
+                    dtype = torch.float16
+                elif dtype not in (torch.float16, torch.bfloat16):
                     dtype = torch.bfloat16
             log_once(f"dtype='auto' resolved to {dtype} on {self.device}")
         else:

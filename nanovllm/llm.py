@@ -39,7 +39,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, block_size: int | None = None, enable_prefix_caching: bool | None = True,
                  enforce_eager: bool = False, async_scheduling: bool = True, seed: int | None = 0,
                  num_gpu_blocks_override: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, attention_backend: str | None = None, **kwargs):
+                 kv_cache_memory_bytes: int | None = None, attention_backend: str | None = None,
+                 quantization: str | None = None, **kwargs):
         """nanovllm's own arguments are named here; **kwargs takes vLLM's other engine arguments
         (nanovllm.engine_args: accepted where they ask for nothing nanovllm lacks)."""
         check_vllm_args(kwargs)
@@ -50,7 +51,8 @@ class LLM:
                         enable_prefix_caching=enable_prefix_caching is not False, enforce_eager=enforce_eager,
                         async_scheduling=async_scheduling, seed=0 if seed is None else seed,
                         num_gpu_blocks_override=num_gpu_blocks_override,
-                        kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend)
+                        kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
+                        quantization=quantization)
         self.llm_engine = LLMEngine(config)
         self._request_counter = count()
 

@@ -8,6 +8,10 @@ set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 what=${1:-all}
+# the device lacks gguf and the network: carry its wheel in .whl/ and a tokenizer donor (../shared/peers/tok.gguf)
+# in .peers/ for the synthetic GGUF files
+ls .whl/gguf-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/gguf-*.whl 2>&1 | grep -v WARN
+[[ -f .peers/tok.gguf ]] && export NANOVLLM_TOKENIZER_GGUF=$PWD/.peers/tok.gguf
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 gpu_tests() {  # log name, test files
@@ -20,7 +24,7 @@ if [[ $what == tests || $what == tests1 || $what == all ]]; then  # the engine a
     tests/test_paged_decode_cluster.py tests/test_cuda_library.py tests/test_engine_args.py
 fi
 if [[ $what == tests || $what == tests2 || $what == all ]]; then  # the Triton kernels and layers
-  gpu_tests tests2 tests/test_triton_kernels.py tests/test_layers.py tests/test_gguf_gemv.py
+  gpu_tests tests2 tests/test_triton_kernels.py tests/test_layers.py tests/test_gguf_gemv.py tests/test_gguf_linear.py
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench.py --repeat 3 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -10

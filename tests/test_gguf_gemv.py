@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from helpers import kernel_tol, random_tensor
 
-from nanovllm.kernels.gguf_gemv import KERNEL_TYPES, gguf_gemv
+from nanovllm.kernels.gguf_gemv import KERNEL_TYPES, gguf_dequantize, gguf_gemv
 from nanovllm.quant.gguf_weight import GGUFWeight
 
 pytest.importorskip("triton")
@@ -39,3 +39,10 @@ def test_weight_fields_are_the_file_blocks(type_name):
     raw = torch.from_numpy(random_tensor(type_name, 5, 512, np.random.default_rng(2)))
     w = GGUFWeight.from_blocks(raw, type_name, (5, 512))
     assert torch.equal(w.to_blocks(), raw) and w.nbytes == raw.numel()
+
+
+@pytest.mark.parametrize("n,k", [(40, 512), (33, 768)] + ([(6144, 4096)] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("type_name", KERNEL_TYPES)
+def test_gguf_dequantize_is_the_torch_twin(type_name, n, k):
+    w = weight(type_name, n, k)
+    torch.testing.assert_close(gguf_dequantize(w, torch.float32), w.dequantize(), rtol=1e-6, atol=1e-7)

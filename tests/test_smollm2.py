@@ -67,3 +67,38 @@ def test_chat_answers_sensibly(llm):
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # ends on <|im_end|>, which the text leaves out
     assert "<|im_end|>" not in out.outputs[0].text
+
+
+def test_kept_in_q4_1_it_generates_the_dequantized_tokens(llm, smollm2_path):
+    kept = LLM(smollm2_path, device="cpu", quantization="gguf", max_model_len=1024)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(QUESTIONS[:4], params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in kept.generate(QUESTIONS[:4], params, use_tqdm=False)] == want
+
+
+RSS_PROBE = """
+import os, sys
+from nanovllm import LLM, SamplingParams
+import nanovllm.engine.llm_engine, nanovllm.quant.gguf_linear
+from nanovllm.config import Config
+from nanovllm.weights.model_files import load_tokenizer
+path = sys.argv[1]
+Config(path, device="cpu"), load_tokenizer(path)  # the code, the file's metadata and the tokenizer: all but weights
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = rss()
+llm = LLM(path, device="cpu", quantization="gguf", kv_cache_memory_bytes=16 << 20, max_model_len=256)
+llm.generate(["Hello"], SamplingParams(max_tokens=4), use_tqdm=False)
+peak = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))  # ru_maxrss keeps the parent's
+print(int(peak.split()[1]) * 1024 - before)
+"""
+
+
+def test_kept_quantized_loading_peaks_within_1_5x_the_file(smollm2_path):
+    """Peak RSS over what the code, the metadata and the tokenizer hold, in a fresh process: the weights stay in their blocks
+    and are read from the file, not through a map that would keep the whole file resident beside them."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", RSS_PROBE, smollm2_path], capture_output=True, text=True, check=True)
+    grown = int(out.stdout.split()[-1])
+    assert grown <= 1.5 * os.path.getsize(smollm2_path) + (16 << 20), f"peak RSS grew {grown / 1e6:.0f} MB"

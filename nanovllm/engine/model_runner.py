@@ -94,10 +94,18 @@ class RunnerOutput:
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Bytes of weights that one step reads: each parameter once (a tied LM head and embedding once), except an
-    input embedding that the LM head does not share: a step reads only its tokens' rows of that."""
-    head, embedding = model.lm_head.weight, model.model.embed_tokens.weight
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding or p is head)
+    """Bytes of weights that one step reads: each parameter and each quantized weight once (a tied LM head and
+    embedding once), except an input embedding that the LM head does not share: a step reads only its tokens' rows
+    of that."""
+    embed = model.model.embed_tokens
+    head = {id(t) for t in [model.lm_head.weight, *(w for _, w in getattr(model.lm_head, "qweights", []))]}
+    weights = {id(p): p.numel() * p.element_size() for p in model.parameters() if not p.is_meta}
+    for module in model.modules():
+        weights.update((id(w), w.nbytes) for _, w in getattr(module, "qweights", []))
+    for table in (embed.weight, embed.qweight):
+        if table is not None and id(table) not in head:
+            weights.pop(id(table), None)
+    return sum(weights.values())
 
 
 class ModelRunner:
@@ -205,12 +213,20 @@ class ModelRunner:
         mc = self.config.model_config
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
+        quant_config = None
+        if mc.quantization == "gguf":
+            from nanovllm.quant.gguf_linear import GGUFConfig
+
+            quant_config = GGUFConfig(self.device, self.dtype, use_kernels=self.device.type == "cuda" and
+                                      self.config.attention_backend != "torch")
         try:
             with torch.device(self.device):
-                model = get_model_class(self.hf_config)(self.hf_config)
+                model = get_model_class(self.hf_config)(self.hf_config, quant_config)
         finally:
             torch.set_default_dtype(default_dtype)
         model.load_weights(iterate_weights(mc))
+        if quant_config is not None:
+            quant_config.finish_loading(model)
         return model.eval()
 
     def _choose_linear_method(self):

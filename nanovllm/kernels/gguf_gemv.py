@@ -30,6 +30,25 @@ def _accumulate(acc, x, w, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _use(acc, w, weights, ok, x_ptr, rows, row_ok, stride_xm, y_ptr, cols64, col_ok, stride_ym,
+         PRECISION: tl.constexpr, DEQUANT: tl.constexpr):
+    """A dequantized tile w [BLOCK_N, T] of the weights at indices `weights` (where ok): multiplied into acc, or with
+    DEQUANT stored into y ([N, K], the dense weight) instead."""
+    if DEQUANT:
+        tl.store(y_ptr + cols64[:, None] * stride_ym + weights[None, :], w.to(y_ptr.dtype.element_ty),
+                 mask=col_ok[:, None] & ok[None, :])
+        return acc
+    return _accumulate(acc, _x_tile(x_ptr, rows, row_ok, stride_xm, weights, ok), w, PRECISION)
+
+
+@triton.jit
+def _store_rows(acc, y_ptr, rows, row_ok, cols, col_ok, stride_ym, DEQUANT: tl.constexpr):
+    if not DEQUANT:
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _scaled(q, d, BLOCK_N: tl.constexpr, NB: tl.constexpr, PER_BLOCK: tl.constexpr):
     """q [BLOCK_N, NB * PER_BLOCK] times each block's scale d [BLOCK_N, NB]."""
     return tl.reshape(tl.reshape(q, [BLOCK_N, NB, PER_BLOCK]) * d[:, :, None], [BLOCK_N, NB * PER_BLOCK])
@@ -38,7 +57,7 @@ def _scaled(q, d, BLOCK_N: tl.constexpr, NB: tl.constexpr, PER_BLOCK: tl.constex
 @triton.jit
 def _gemv_block32_kernel(x_ptr, d_ptr, m_ptr, qs_ptr, y_ptr, M, N, NUM_BLOCKS, stride_xm, stride_d, stride_qs,
                          stride_ym, TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NB: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                         NB: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, DEQUANT: tl.constexpr):
     """Q4_0 (TYPE 0: d * (q - 8)), Q4_1 (1: d * q + m), Q8_0 (2: d * q, q int8). NB blocks of 32 weights a step.
     Q4_0 / Q4_1 hold weight j of a block in the low nibble of quant byte j, weight j + 16 in its high nibble."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,8 +78,8 @@ def _gemv_block32_kernel(x_ptr, d_ptr, m_ptr, qs_ptr, y_ptr, M, N, NUM_BLOCKS, s
                      other=0)
         if TYPE == 2:
             w = _scaled(qs.to(tl.int8, bitcast=True).to(tl.float32), d, BLOCK_N, NB, 32)
-            x = _x_tile(x_ptr, rows, row_ok, stride_xm, b0 * 32 + t, t_ok)
-            acc = _accumulate(acc, x, w, PRECISION)
+            acc = _use(acc, w, b0 * 32 + t, t_ok, x_ptr, rows, row_ok, stride_xm, y_ptr, cols64, col_ok, stride_ym,
+                       PRECISION, DEQUANT)
         else:
             low, high = (qs & 15).to(tl.float32), (qs >> 4).to(tl.float32)
             if TYPE == 0:
@@ -70,12 +89,11 @@ def _gemv_block32_kernel(x_ptr, d_ptr, m_ptr, qs_ptr, y_ptr, M, N, NUM_BLOCKS, s
                 m_t = tl.reshape(tl.broadcast_to(m[:, :, None], [BLOCK_N, NB, 16]), [BLOCK_N, NB * 16])
                 low, high = _scaled(low, d, BLOCK_N, NB, 16) + m_t, _scaled(high, d, BLOCK_N, NB, 16) + m_t
             first = b0 * 32 + (t // 16) * 32 + t % 16  # the weight index of each byte's low nibble
-            x_low = _x_tile(x_ptr, rows, row_ok, stride_xm, first, t_ok)
-            x_high = _x_tile(x_ptr, rows, row_ok, stride_xm, first + 16, t_ok)
-            acc = _accumulate(acc, x_low, low, PRECISION)
-            acc = _accumulate(acc, x_high, high, PRECISION)
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+            acc = _use(acc, low, first, t_ok, x_ptr, rows, row_ok, stride_xm, y_ptr, cols64, col_ok, stride_ym,
+                       PRECISION, DEQUANT)
+            acc = _use(acc, high, first + 16, t_ok, x_ptr, rows, row_ok, stride_xm, y_ptr, cols64, col_ok, stride_ym,
+                       PRECISION, DEQUANT)
+    _store_rows(acc, y_ptr, rows, row_ok, cols, col_ok, stride_ym, DEQUANT)
 
 
 @triton.jit
@@ -102,7 +120,7 @@ def _per_weight(v, BLOCK_N: tl.constexpr, NB: tl.constexpr, GROUPS: tl.constexpr
 @triton.jit
 def _gemv_q4_k_kernel(x_ptr, d_ptr, dmin_ptr, scales_ptr, q_ptr, y_ptr, M, N, NUM_BLOCKS, stride_xm, stride_d,
                       stride_scales, stride_q, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      NB: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                      NB: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, DEQUANT: tl.constexpr):
     """Q4_K: d * scale * q - dmin * min in 8 sub-blocks of 32, NB super-blocks of 256 weights a step. Its
     128 quant bytes a super-block are read as one contiguous tile: byte 32c + i holds weight 64c + i in its low nibble
     and 64c + 32 + i in its high nibble."""
@@ -134,12 +152,11 @@ def _gemv_q4_k_kernel(x_ptr, d_ptr, dmin_ptr, scales_ptr, q_ptr, y_ptr, M, N, NU
                    - _per_weight(dmin[:, :, None] * mn_first, BLOCK_N, NB, 4, 32))
         w_second = (_per_weight(d[:, :, None] * sc_second, BLOCK_N, NB, 4, 32) * (q >> 4).to(tl.float32)
                     - _per_weight(dmin[:, :, None] * mn_second, BLOCK_N, NB, 4, 32))
-        x_first = _x_tile(x_ptr, rows, row_ok, stride_xm, b0 * 256 + first, u_ok)
-        x_second = _x_tile(x_ptr, rows, row_ok, stride_xm, b0 * 256 + second, u_ok)
-        acc = _accumulate(acc, x_first, w_first, PRECISION)
-        acc = _accumulate(acc, x_second, w_second, PRECISION)
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+        acc = _use(acc, w_first, b0 * 256 + first, u_ok, x_ptr, rows, row_ok, stride_xm, y_ptr, cols64, col_ok,
+                   stride_ym, PRECISION, DEQUANT)
+        acc = _use(acc, w_second, b0 * 256 + second, u_ok, x_ptr, rows, row_ok, stride_xm, y_ptr, cols64, col_ok,
+                   stride_ym, PRECISION, DEQUANT)
+    _store_rows(acc, y_ptr, rows, row_ok, cols, col_ok, stride_ym, DEQUANT)
 
 
 def gguf_gemv(x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor | None = None, block_n: int = 32,
@@ -147,12 +164,26 @@ def gguf_gemv(x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor | None = No
     """x: [M <= MAX_ROWS, K] (rows contiguous) -> [M, N] in x's dtype. out: [M, N] to write into, else a new tensor."""
     n, k = weight.shape
     m = x.shape[0]
-    assert weight.type_name in KERNEL_TYPES, f"no kernel for {weight.type_name} (kernels: {', '.join(KERNEL_TYPES)})"
     assert m <= MAX_ROWS and x.shape[1] == k and x.stride(1) == 1
-    f = weight.fields
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    common = dict(BLOCK_M=16, BLOCK_N=block_n,
-                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps, **pdl_launch(x.device))
+    _launch(x, weight, y, m, block_n, blocks, num_warps, dequant=False)
+    return y
+
+
+def gguf_dequantize(weight: GGUFWeight, dtype: torch.dtype, block_n: int = 16, blocks: int = 16) -> torch.Tensor:
+    """The dense [N, K] weight in dtype: the same values the GEMV multiplies (its twin: weight.dequantize())."""
+    w = torch.empty(weight.shape, dtype=dtype, device=weight.fields["d"].device)
+    _launch(w, weight, w, 0, block_n, blocks, 4, dequant=True)
+    return w
+
+
+def _launch(x, weight: GGUFWeight, y, m: int, block_n: int, blocks: int, num_warps: int, dequant: bool):
+    """The type's kernel over the weight's rows: y = x W^T, or with dequant W into y (x is then unused)."""
+    n, k = weight.shape
+    assert weight.type_name in KERNEL_TYPES, f"no kernel for {weight.type_name} (kernels: {', '.join(KERNEL_TYPES)})"
+    f = weight.fields
+    common = dict(BLOCK_M=16, BLOCK_N=block_n, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                  num_warps=num_warps, DEQUANT=dequant, **pdl_launch(x.device))
     grid = (triton.cdiv(n, block_n),)
     if weight.type_name in _BLOCK32:
         _gemv_block32_kernel[grid](
@@ -162,4 +193,3 @@ def gguf_gemv(x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor | None = No
         _gemv_q4_k_kernel[grid](
             x, f["d"], f["dmin"], f["scales"], f["qs"], y, m, n, k // 256, x.stride(0), f["d"].stride(0),
             f["scales"].stride(0), f["qs"].stride(0), y.stride(0), NB=max(1, blocks // 8), **common)
-    return y

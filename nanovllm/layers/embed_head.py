@@ -7,14 +7,36 @@ from nanovllm.layers.linear import LinearMethod, UnquantizedLinearMethod
 
 
 class VocabEmbedding(CustomOp):
-    def __init__(self, vocab_size: int, hidden_size: int):
+    """Token ids -> embeddings. With a GGUF quant_config the table stays in the file's blocks (`qweight`, and
+    `weight` is None once loaded) and a step dequantizes only its tokens' rows."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, quant_config=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.quant_config = quant_config
+        self.qweight = None
+        device = "meta" if quant_config is not None else None  # the loaded tensor decides what is allocated
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, device=device), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {tuple(param.shape)}")
+        if self.quant_config is None:
+            param.data.copy_(loaded)
+        elif isinstance(loaded, torch.Tensor):  # stored dense in the file
+            self.weight = nn.Parameter(loaded.to(self.quant_config.device, self.quant_config.dtype),
+                                       requires_grad=False)
+        else:
+            self.qweight, self.weight = loaded.to(self.quant_config.device), None
 
     def forward_native(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            rows = self.qweight.map_rows(lambda field: field.index_select(0, token_ids.reshape(-1)))
+            return rows.dequantize().to(self.quant_config.dtype).view(*token_ids.shape, self.qweight.shape[1])
         return F.embedding(token_ids, self.weight)
 
     def forward_triton(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.forward_native(token_ids)
         from nanovllm.kernels.embedding import embedding
 
         return embedding(token_ids.reshape(-1), self.weight).view(*token_ids.shape, self.weight.shape[1])
@@ -22,16 +44,28 @@ class VocabEmbedding(CustomOp):
 
 class LMHead(nn.Module):
     """Hidden states -> logits in the model's dtype (the sampler reads them so); shares the embedding's weight
-    when tied."""
+    when tied. A linear layer of one shard, so that a quantized linear method serves it as it serves the others."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None):
+    def __init__(self, vocab_size: int, hidden_size: int, tied_to: VocabEmbedding | None = None,
+                 linear_method: LinearMethod | None = None):
         super().__init__()
-        self.bias = None
-        self.linear_method: LinearMethod = UnquantizedLinearMethod()
+        self.input_size, self.output_size = hidden_size, vocab_size
+        self.output_shards = {None: (0, vocab_size)}
+        self.linear_method = linear_method or UnquantizedLinearMethod()
         if tied_to is not None:
-            self.weight = tied_to.weight
+            self.weight, self.bias = tied_to.weight, None
         else:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+            self.linear_method.create_weights(self, bias=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
+        self.linear_method.load_weight(self, param, loaded, shard_id)
+
+    def tie(self, embedding: VocabEmbedding):
+        """After loading: a quantized method takes the embedding's table as it was loaded."""
+        if not isinstance(self.linear_method, UnquantizedLinearMethod):
+            self.linear_method.create_weights(self, bias=False)
+            loaded = embedding.qweight if embedding.qweight is not None else embedding.weight
+            self.linear_method.load_weight(self, self.weight, loaded)
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.linear_method.apply(self, hidden, out)

@@ -9,6 +9,16 @@ class LinearMethod:
     def create_weights(self, layer: "LinearBase", bias: bool):
         raise NotImplementedError
 
+    def load_weight(self, layer: "LinearBase", param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+        """Copy a checkpoint tensor into param (the rows of shard_id when the layer stacks several)."""
+        target = param.data
+        if shard_id is not None:
+            offset, size = layer.output_shards[shard_id]
+            target = target.narrow(0, offset, size)
+        if target.shape != loaded.shape:
+            raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
+        target.copy_(loaded)
+
     def process_weights_after_loading(self, layer: nn.Module):
         """Repack the loaded weight for this method's kernel (no-op by default)."""
 
@@ -59,6 +69,16 @@ class CpuPackedLinearMethod(UnquantizedLinearMethod):
         except (AttributeError, RuntimeError):
             return False
 
+    def load_weight(self, layer: "LinearBase", param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
+        """Copy a checkpoint tensor into param (the rows of shard_id when the layer stacks several)."""
+        target = param.data
+        if shard_id is not None:
+            offset, size = layer.output_shards[shard_id]
+            target = target.narrow(0, offset, size)
+        if target.shape != loaded.shape:
+            raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
+        target.copy_(loaded)
+
     def process_weights_after_loading(self, layer: nn.Module):
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, 32)
 
@@ -83,14 +103,8 @@ class LinearBase(nn.Module):
         self.linear_method = linear_method or UnquantizedLinearMethod()
         self.linear_method.create_weights(self, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
-        target = param.data
-        if shard_id is not None:
-            offset, size = self.output_shards[shard_id]
-            target = target.narrow(0, offset, size)
-        if target.shape != loaded.shape:
-            raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
-        target.copy_(loaded)
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
+        self.linear_method.load_weight(self, param, loaded, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x)

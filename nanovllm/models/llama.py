@@ -15,12 +15,14 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias)
-        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, config.hidden_size, o_bias)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias,
+                                   linear_method=_linear_method(quant_config))
+        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, config.hidden_size, o_bias,
+                                       linear_method=_linear_method(quant_config))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -41,11 +43,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, quant_config=None):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [config.intermediate_size] * 2, bias)
-        self.down_proj = ReplicatedLinear(config.intermediate_size, config.hidden_size, bias)
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [config.intermediate_size] * 2, bias,
+                                               linear_method=_linear_method(quant_config))
+        self.down_proj = ReplicatedLinear(config.intermediate_size, config.hidden_size, bias,
+                                          linear_method=_linear_method(quant_config))
         self.act = SiluAndMul()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only silu")
@@ -72,10 +76,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias, qk_norm, quant_config)
+        self.mlp = LlamaMLP(config, quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -99,13 +103,13 @@ def _norm_then_project(norm: RMSNorm, proj, x: torch.Tensor, residual: torch.Ten
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config),
                                  getattr(config, "rope_freq_factors", None))
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qkv_bias, o_bias, qk_norm)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, quant_config)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qkv_bias, o_bias, qk_norm, quant_config)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -126,15 +130,17 @@ class LlamaForCausalLM(nn.Module):
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config):
+    def __init__(self, config, quant_config=None):
+        """quant_config: where a GGUF file's weights stay quantized (quant.gguf_linear.GGUFConfig), else None."""
         super().__init__()
         if getattr(config, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported")
         attention_bias = getattr(config, "attention_bias", False)
         self.model = LlamaModel(config, self.qkv_bias or attention_bias, attention_bias and not self.qkv_bias,
-                                self.qk_norm)
+                                self.qk_norm, quant_config)
         tied = getattr(config, "tie_word_embeddings", False)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, self.model.embed_tokens if tied else None)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, self.model.embed_tokens if tied else None,
+                              _linear_method(quant_config))
         self.tied = tied
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -145,7 +151,8 @@ class LlamaForCausalLM(nn.Module):
         """The [vocab, hidden] table that a caller may gather input embeddings from itself (forward's inputs_embeds),
         or None where the model's embedding runs its plain torch path (CPU, the torch backend)."""
         embed = self.model.embed_tokens
-        return embed.weight if embed.use_triton and embed.weight.is_contiguous() else None
+        usable = embed.use_triton and embed.weight is not None and embed.weight.is_contiguous()
+        return embed.weight if usable else None
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """out: [rows, vocab] to write the logits into (a CUDA graph's static output)."""
@@ -169,10 +176,16 @@ class LlamaForCausalLM(nn.Module):
             param = params[name]
             owner = self.get_submodule(name.rsplit(".", 1)[0])
             loader = getattr(owner, "weight_loader", _copy_loader)
-            loader(param, tensor.to(param.dtype), shard_id)
+            loader(param, tensor, shard_id)
             missing.discard(name)
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        if self.tied:
+            self.lm_head.tie(self.model.embed_tokens)
+
+
+def _linear_method(quant_config):
+    return quant_config.linear_method() if quant_config is not None else None
 
 
 def _copy_loader(param, tensor, shard_id=None):

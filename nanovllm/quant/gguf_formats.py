@@ -61,19 +61,21 @@ def _fields(blocks: torch.Tensor, fmt: BlockFormat) -> dict[str, torch.Tensor]:
     return out
 
 
-def _shifts(shifts: list[int], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(shifts, dtype=torch.uint8, device=like.device)
+def _shifted(x: torch.Tensor, shifts: list[int], dim: int) -> torch.Tensor:
+    """x >> shift for each shift, side by side along dim (where x has size 1): no shift tensor is copied to the
+    device, which a CUDA graph capture would refuse."""
+    return torch.cat([x >> shift for shift in shifts], dim)
 
 
 def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
     """Bytes [n, g * group] -> [n, g, 2 * group]: each group's low nibbles, then its high nibbles."""
-    qs = qs.reshape(qs.shape[0], -1, 1, group) >> _shifts([0, 4], qs).reshape(1, 1, 2, 1)
+    qs = _shifted(qs.reshape(qs.shape[0], -1, 1, group), [0, 4], 2)
     return (qs & 0x0F).reshape(qs.shape[0], -1, 2 * group)
 
 
 def _bits(x: torch.Tensor, group: int, shifts: list[int], mask: int) -> torch.Tensor:
     """Bytes [n, g * group] -> [n, g, len(shifts) * group]: (x >> shift) & mask for each shift in turn."""
-    x = x.reshape(x.shape[0], -1, 1, group) >> _shifts(shifts, x).reshape(1, 1, -1, 1)
+    x = _shifted(x.reshape(x.shape[0], -1, 1, group), shifts, 2)
     return (x & mask).reshape(x.shape[0], -1, len(shifts) * group)
 
 
@@ -129,8 +131,8 @@ def _q2_k(f):
 def _q3_k(f):
     n = f["qs"].shape[0]
     low, high = f["scales"][:, :8], f["scales"][:, 8:]
-    low = (low.reshape(n, 1, 8) >> _shifts([0, 4], low).reshape(1, 2, 1)).reshape(n, 16)
-    high = (high.reshape(n, 1, 4) >> _shifts([0, 2, 4, 6], high).reshape(1, 4, 1)).reshape(n, 16)
+    low = _shifted(low.reshape(n, 1, 8), [0, 4], 1).reshape(n, 16)
+    high = _shifted(high.reshape(n, 1, 4), [0, 2, 4, 6], 1).reshape(n, 16)
     scales = ((low & 0x0F) | ((high & 0x03) << 4)).to(torch.int8) - 32
     dl = (f["d"] * scales.float()).reshape(n, 16, 1)
     ql = _bits(f["qs"], 32, [0, 2, 4, 6], 3).reshape(n, 16, 16)

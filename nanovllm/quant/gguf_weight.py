@@ -41,7 +41,21 @@ class GGUFWeight:
         return dequantize(self.to_blocks(), self.type_name, self.shape[1])
 
     def to(self, device) -> "GGUFWeight":
-        return GGUFWeight(self.type_name, self.shape, {k: v.to(device) for k, v in self.fields.items()})
+        return self.map_rows(lambda field: field.to(device))
+
+    def map_rows(self, fn) -> "GGUFWeight":
+        """fn applied to each field's [N, ...] rows, which keeps a row's blocks together (a row permutation, a
+        gather of rows, a move)."""
+        fields = {name: fn(field) for name, field in self.fields.items()}
+        return GGUFWeight(self.type_name, (next(iter(fields.values())).shape[0], self.shape[1]), fields)
+
+    @staticmethod
+    def cat(weights: list["GGUFWeight"]) -> "GGUFWeight":
+        """Weights of one type and width stacked along the rows (a merged qkv or gate_up projection)."""
+        first = weights[0]
+        assert all(w.type_name == first.type_name and w.shape[1] == first.shape[1] for w in weights)
+        fields = {name: torch.cat([w.fields[name] for w in weights]) for name in first.fields}
+        return GGUFWeight(first.type_name, (sum(w.shape[0] for w in weights), first.shape[1]), fields)
 
     @property
     def nbytes(self) -> int:

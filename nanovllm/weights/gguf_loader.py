@@ -10,6 +10,7 @@ import torch
 from nanovllm.logger import log_once
 from nanovllm.models.registry import GGUF_ARCHITECTURES
 from nanovllm.quant import gguf_formats
+from nanovllm.quant.gguf_weight import GGUFWeight
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -104,16 +105,26 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
-def _dequantize(t) -> torch.Tensor:
-    """A GGUF tensor as float32 in numpy's dimension order: by the torch twin of the kernels (gguf_formats) where
-    the type has one, else by the gguf package."""
+def _read_bytes(file, t) -> torch.Tensor:
+    """A tensor's bytes read from the file (a copy: reading through the reader's map would leave the whole file
+    resident beside the copies, twice the memory)."""
+    file.seek(t.data_offset)
+    return torch.from_numpy(np.fromfile(file, dtype=np.uint8, count=int(t.n_bytes)))
+
+
+def _load_tensor(file, t, keep_quantized: bool) -> torch.Tensor | GGUFWeight:
+    """A GGUF tensor in numpy's dimension order: its blocks (GGUFWeight) where it stays quantized, else float32,
+    by the torch twin of the kernels (gguf_formats) where the type has one, else by the gguf package."""
     type_name = t.tensor_type.name
     shape = [int(n) for n in reversed(t.shape)]
-    if type_name not in gguf_formats.DENSE_TYPES:
-        log_once(f"GGUF {type_name} tensors are dequantized at load (kernels that keep them quantized: not yet)")
+    quantized = type_name not in gguf_formats.DENSE_TYPES
+    if quantized and keep_quantized and type_name in gguf_formats.FORMATS and len(shape) == 2:
+        return GGUFWeight.from_blocks(_read_bytes(file, t), type_name, tuple(shape))
+    if quantized:
+        log_once(f"GGUF {type_name} tensors are dequantized at load" +
+                 (" (no kernel keeps this type quantized yet)" if keep_quantized else ""))
     if type_name in gguf_formats.FORMATS:
-        raw = torch.from_numpy(np.array(t.data).view(np.uint8))  # a copy: GGUF data is a read-only map
-        return gguf_formats.dequantize(raw, type_name, shape[-1]).reshape(shape)
+        return gguf_formats.dequantize(_read_bytes(file, t), type_name, shape[-1]).reshape(shape)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -121,18 +132,25 @@ def _dequantize(t) -> torch.Tensor:
     return torch.from_numpy(np.array(dequantize(t.data, GGMLQuantizationType(t.tensor_type)), dtype=np.float32))
 
 
-def iterate_gguf(path: str, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, fp32 tensor), each dequantized; Q/K un-permuted for llama-family files."""
+def iterate_gguf(path: str, hf_config, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFWeight]]:
+    """Yield (HF name, tensor): quantized weights as their blocks (GGUFWeight) when keep_quantized, everything else
+    dequantized to fp32; Q/K un-permuted for llama-family files."""
     reader = open_gguf(path)
     permuted = _field(reader, "general.architecture") == "llama"
+    with open(path, "rb") as file:
+        yield from _iterate_tensors(path, reader, file, hf_config, permuted, keep_quantized)
+
+
+def _iterate_tensors(path, reader, file, hf_config, permuted: bool, keep_quantized: bool):
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
             if t.name == "rope_freqs.weight":
                 continue
             raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
-        tensor = _dequantize(t)
+        tensor = _load_tensor(file, t, keep_quantized)
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = hf_config.num_attention_heads if "q_proj" in name else hf_config.num_key_value_heads
-            tensor = _unpermute_qk(tensor, heads)
+            unpermute = lambda rows: _unpermute_qk(rows, heads)  # noqa: E731
+            tensor = tensor.map_rows(unpermute) if isinstance(tensor, GGUFWeight) else unpermute(tensor)
         yield name, tensor

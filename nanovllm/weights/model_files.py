@@ -73,5 +73,5 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
 
 def iterate_weights(model_config) -> Iterator[tuple[str, torch.Tensor]]:
     if model_config.format == "gguf":
-        return iterate_gguf(model_config.model, model_config.hf_config)
+        return iterate_gguf(model_config.model, model_config.hf_config, model_config.quantization == "gguf")
     return iterate_safetensors(Path(model_config.model))

@@ -1,0 +1,129 @@
+"""GGUF weights kept quantized in memory (quantization="gguf"): each projection holds its file's blocks
+(quant.gguf_weight.GGUFWeight) and multiplies through the Triton dequant-GEMV for a few rows on CUDA, else through
+its torch twin (dequantize a slice of rows, then a dense matmul). A layer whose type has no kernel here is
+dequantized at load, and the log says so in the table of which kernel serves which layer."""
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.layers.linear import LinearMethod, UnquantizedLinearMethod
+from nanovllm.logger import logger
+from nanovllm.quant.gguf_formats import FORMATS
+from nanovllm.quant.gguf_weight import GGUFWeight
+
+CPU_CHUNK_BYTES = 1 << 20  # fp32 rows dequantized at a time on CPU (8 MB: 1.5x the peak RSS, no faster)
+
+
+class GGUFConfig:
+    """Which GGUF types stay quantized on this device and how they are multiplied."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, use_kernels: bool):
+        self.device, self.dtype = device, dtype
+        self.gemv = None
+        if device.type == "cuda":
+            from nanovllm.kernels import gguf_gemv  # CUDA only: the CPU path imports no Triton
+
+            self.kept_types = gguf_gemv.KERNEL_TYPES
+            if use_kernels:
+                self.gemv, self.gemv_rows = gguf_gemv.gguf_gemv, gguf_gemv.MAX_ROWS
+                self.dequantize = gguf_gemv.gguf_dequantize
+        else:  # the torch twin serves every format on CPU
+            self.kept_types = tuple(name for name, fmt in FORMATS.items() if fmt.block_size > 1)
+
+    def linear_method(self) -> "GGUFLinearMethod":
+        return GGUFLinearMethod(self)
+
+    def path(self, type_name: str) -> str:
+        if type_name not in self.kept_types:
+            return f"{type_name}: no kernel here, dequantized at load"
+        if self.gemv is not None:
+            return f"{type_name}: Triton dequant-GEMV up to {self.gemv_rows} rows, Triton dequantize + cuBLAS above"
+        return f"{type_name}: torch dequantize + matmul"
+
+    def finish_loading(self, model: nn.Module):
+        """Move each layer's loaded blocks to the device (or dequantize them), then log which path serves what."""
+        paths = Counter()
+        for name, module in model.named_modules():
+            method = getattr(module, "linear_method", None)
+            if isinstance(method, GGUFLinearMethod):
+                paths[(name.rsplit(".", 1)[-1], method.process_weights_after_loading(module))] += 1
+        if paths:
+            rows = "\n".join(f"  {kind:<14} x{count:<4} {path}" for (kind, path), count in sorted(paths.items()))
+            logger.info(f"GGUF weights kept quantized on {self.device.type} (layer, count, path):\n{rows}")
+
+
+class GGUFLinearMethod(LinearMethod):
+    """A linear layer over GGUF blocks. Until loading ends the layer's `weight` is a meta placeholder of the dense
+    shape and each shard's blocks wait in `gguf_shards`; then `qweights` holds (first output row, GGUFWeight)
+    pieces on the device: one piece where the shards share a type (stacked), one a shard where they differ."""
+
+    def __init__(self, config: GGUFConfig):
+        self.config = config
+
+    def create_weights(self, layer: nn.Module, bias: bool):
+        layer.weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size, device="meta"),
+                                    requires_grad=False)
+        layer.bias = nn.Parameter(torch.empty(layer.output_size), requires_grad=False) if bias else None
+        layer.gguf_shards = {}
+
+    def load_weight(self, layer: nn.Module, param: nn.Parameter, loaded, shard_id=None):
+        if param is not layer.weight:  # the bias: dense in every GGUF file
+            return super().load_weight(layer, param, loaded, shard_id)
+        offset, size = layer.output_shards[shard_id]
+        if tuple(loaded.shape) != (size, layer.input_size):
+            raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {(size, layer.input_size)}")
+        layer.gguf_shards[shard_id] = loaded
+
+    def process_weights_after_loading(self, layer: nn.Module) -> str:
+        """Returns the path that serves the layer, for the load log."""
+        pieces = sorted(((layer.output_shards[sid][0], w) for sid, w in layer.gguf_shards.items()),
+                        key=lambda piece: piece[0])
+        del layer.gguf_shards
+        types = {w.type_name if isinstance(w, GGUFWeight) else "dense" for _, w in pieces}
+        if types <= set(self.config.kept_types):
+            layer.qweights = _stack_same_types(pieces, self.config.device)
+            layer.weight = None
+            return self.config.path(pieces[0][1].type_name) if len(types) == 1 else \
+                "; ".join(self.config.path(t) for t in sorted(types))
+        dense = torch.cat([w.dequantize() if isinstance(w, GGUFWeight) else w for _, w in pieces])
+        layer.weight = nn.Parameter(dense.to(self.config.device, self.config.dtype), requires_grad=False)
+        layer.linear_method = UnquantizedLinearMethod()
+        return "; ".join(self.config.path(t) if t != "dense" else "F32/F16 in the file: dense" for t in sorted(types))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        x2d = x.reshape(rows, x.shape[-1])
+        y = torch.empty(rows, layer.output_size, dtype=x.dtype, device=x.device) if out is None else out
+        for offset, weight in layer.qweights:
+            self._matmul(x2d, weight, y if len(layer.qweights) == 1 else y[:, offset:offset + weight.shape[0]])
+        if layer.bias is not None:
+            y += layer.bias
+        return y if out is not None else y.view(*x.shape[:-1], layer.output_size)
+
+    def _matmul(self, x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor):
+        if self.config.gemv is not None:
+            if x.shape[0] <= self.config.gemv_rows:
+                self.config.gemv(x, weight, out=out)
+            elif out.is_contiguous():
+                torch.mm(x, self.config.dequantize(weight, x.dtype).t(), out=out)
+            else:
+                out.copy_(F.linear(x, self.config.dequantize(weight, x.dtype)))
+            return
+        n, k = weight.shape
+        step = n if x.is_cuda else max(1, CPU_CHUNK_BYTES // (4 * k))
+        for start in range(0, n, step):
+            rows = weight.map_rows(lambda field: field[start:start + step])
+            out[:, start:start + rows.shape[0]] = F.linear(x, rows.dequantize().to(x.dtype))
+
+
+def _stack_same_types(pieces: list[tuple[int, GGUFWeight]], device) -> list[tuple[int, GGUFWeight]]:
+    """Adjacent pieces of one type stacked into one, each moved to the device."""
+    groups: list[tuple[int, list[GGUFWeight]]] = []
+    for offset, weight in pieces:
+        if groups and groups[-1][1][-1].type_name == weight.type_name:
+            groups[-1][1].append(weight)
+        else:
+            groups.append((offset, [weight]))
+    return [(offset, (GGUFWeight.cat(ws) if len(ws) > 1 else ws[0]).to(device)) for offset, ws in groups]
