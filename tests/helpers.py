@@ -1,5 +1,6 @@
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from nanovllm.quant.gguf_formats import DENSE_TYPES, F16_FIELDS, FORMATS
 
@@ -7,6 +8,16 @@ from nanovllm.quant.gguf_formats import DENSE_TYPES, F16_FIELDS, FORMATS
 def kernel_tol(dtype: torch.dtype) -> dict:
     """assert_close tolerances for a kernel against its fp32 reference: bf16 outputs are good to ~3 digits."""
     return dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=2e-3, rtol=2e-3)
+
+
+def assert_as_exact_as_dense(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+    """A quantized kernel's x W^T (weight: the dequantized float32 W) is as close to the exact product as the dense
+    model's, W rounded to x's dtype, summed in fp32, rounded to the output's dtype (within 1.5x its largest error): a
+    per-element tolerance fails where both land near a zero that they miss by a rounding."""
+    exact = F.linear(x.double(), weight.double())
+    dense = F.linear(x.float(), weight.to(x.dtype).float()).to(got.dtype)
+    limit = 1.5 * (dense.double() - exact).abs().max().item() + 1e-6
+    assert (got.double() - exact).abs().max().item() <= limit
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int):

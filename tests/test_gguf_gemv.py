@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import kernel_tol, random_tensor
+from helpers import assert_as_exact_as_dense, kernel_tol, random_tensor
 
 from nanovllm.kernels.gguf_gemv import KERNEL_TYPES, gguf_dequantize, gguf_gemv
 from nanovllm.quant.gguf_weight import GGUFWeight
@@ -46,3 +46,17 @@ def test_weight_fields_are_the_file_blocks(type_name):
 def test_gguf_dequantize_is_the_torch_twin(type_name, n, k):
     w = weight(type_name, n, k)
     torch.testing.assert_close(gguf_dequantize(w, torch.float32), w.dequantize(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(40, 256), (6144, 4096), (4096, 14336), (1000, 2816)])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_cuda_one_row_gemv_matches_dequantized_linear(type_name, n, k):
+    from nanovllm.kernels import gguf_gemv_one_row
+
+    if k % 256 and type_name == "Q4_K":
+        pytest.skip("Q4_K rows are whole super-blocks of 256")
+    w = weight(type_name, n, k)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.float16)
+    assert gguf_gemv_one_row.serves(x, w)
+    assert_as_exact_as_dense(gguf_gemv_one_row.gguf_gemv_one_row(x, w), x, w.dequantize().to(DEVICE))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import kernel_tol, random_tensor
+from helpers import assert_as_exact_as_dense, random_tensor
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.linear import QKVLinear, UnquantizedLinearMethod
@@ -55,8 +55,7 @@ def test_cuda_layer_matches_the_dequantized_weight(types, rows):
     layer, dense, path = qkv_layer(types, "cuda", torch.float16)
     assert "Triton dequant-GEMV" in path
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to("cuda", torch.float16)
-    want = F.linear(x.float(), dense.half().float())
-    torch.testing.assert_close(layer(x).float(), want, **kernel_tol(torch.bfloat16))
+    assert_as_exact_as_dense(layer(x), x, dense)
 
 
 @pytest.mark.gpu

@@ -21,14 +21,17 @@ class GGUFConfig:
 
     def __init__(self, device: torch.device, dtype: torch.dtype, use_kernels: bool):
         self.device, self.dtype = device, dtype
-        self.gemv = None
+        self.gemv = self.one_row = None
         if device.type == "cuda":
             from nanovllm.kernels import gguf_gemv  # CUDA only: the CPU path imports no Triton
 
             self.kept_types = gguf_gemv.KERNEL_TYPES
             if use_kernels:
+                from nanovllm.kernels import gguf_gemv_one_row
+
                 self.gemv, self.gemv_rows = gguf_gemv.gguf_gemv, gguf_gemv.MAX_ROWS
                 self.dequantize = gguf_gemv.gguf_dequantize
+                self.one_row = gguf_gemv_one_row if gguf_gemv_one_row.why_off(device) is None else None
         else:  # the torch twin serves every format on CPU
             self.kept_types = tuple(name for name, fmt in FORMATS.items() if fmt.block_size > 1)
 
@@ -39,7 +42,9 @@ class GGUFConfig:
         if type_name not in self.kept_types:
             return f"{type_name}: no kernel here, dequantized at load"
         if self.gemv is not None:
-            return f"{type_name}: Triton dequant-GEMV up to {self.gemv_rows} rows, Triton dequantize + cuBLAS above"
+            one_row = "CUDA GEMV for one fp16 row, " if self.one_row is not None and type_name in self.one_row.TYPES \
+                else ""
+            return f"{type_name}: {one_row}Triton dequant-GEMV up to {self.gemv_rows} rows, Triton dequantize + cuBLAS above"
         return f"{type_name}: torch dequantize + matmul"
 
     def finish_loading(self, model: nn.Module):
@@ -104,7 +109,10 @@ class GGUFLinearMethod(LinearMethod):
 
     def _matmul(self, x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor):
         if self.config.gemv is not None:
-            if x.shape[0] <= self.config.gemv_rows:
+            one_row = self.config.one_row
+            if one_row is not None and out.is_contiguous() and one_row.serves(x, weight):
+                one_row.gguf_gemv_one_row(x, weight, out=out)
+            elif x.shape[0] <= self.config.gemv_rows:
                 self.config.gemv(x, weight, out=out)
             elif out.is_contiguous():
                 torch.mm(x, self.config.dequantize(weight, x.dtype).t(), out=out)
