@@ -1,8 +1,9 @@
 """y = x W^T for a few rows of x (decode) with W a GGUF weight kept quantized (quant.gguf_weight.GGUFWeight): each
 program owns BLOCK_N rows of W, reads each of their bytes once, dequantizes a tile of blocks in registers as the
 torch twin does (the same f32 products, then the activations' dtype) and multiplies it on the tensor cores with x
-padded to 16 rows. Reference: F.linear(x, weight.dequantize()). Q4_0, Q4_1, Q8_0 and Q4_K so far (KERNEL_TYPES);
-the engine does not call it yet (docs/benchmarks.md: its bandwidth so far)."""
+padded to 16 rows. Reference: F.linear(x, weight.dequantize()). Q4_0, Q4_1, Q8_0 and Q4_K so far (KERNEL_TYPES).
+With DEQUANT the same kernels write the dense weight instead (gguf_dequantize), for cuBLAS past MAX_ROWS rows.
+quant/gguf_linear.py picks among them and the CUDA one-row kernel (docs/benchmarks.md: their bandwidth)."""
 import torch
 import triton
 import triton.language as tl

@@ -69,16 +69,6 @@ class CpuPackedLinearMethod(UnquantizedLinearMethod):
         except (AttributeError, RuntimeError):
             return False
 
-    def load_weight(self, layer: "LinearBase", param: nn.Parameter, loaded: torch.Tensor, shard_id=None):
-        """Copy a checkpoint tensor into param (the rows of shard_id when the layer stacks several)."""
-        target = param.data
-        if shard_id is not None:
-            offset, size = layer.output_shards[shard_id]
-            target = target.narrow(0, offset, size)
-        if target.shape != loaded.shape:
-            raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
-        target.copy_(loaded)
-
     def process_weights_after_loading(self, layer: nn.Module):
         layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, 32)
 
