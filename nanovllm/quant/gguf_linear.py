@@ -87,15 +87,15 @@ class GGUFLinearMethod(LinearMethod):
                         key=lambda piece: piece[0])
         del layer.gguf_shards
         types = {w.type_name if isinstance(w, GGUFWeight) else "dense" for _, w in pieces}
+        path = "; ".join(self.config.path(t) if t != "dense" else "F32/F16 in the file: dense" for t in sorted(types))
         if types <= set(self.config.kept_types):
             layer.qweights = _stack_same_types(pieces, self.config.device)
             layer.weight = None
-            return self.config.path(pieces[0][1].type_name) if len(types) == 1 else \
-                "; ".join(self.config.path(t) for t in sorted(types))
+            return path
         dense = torch.cat([w.dequantize() if isinstance(w, GGUFWeight) else w for _, w in pieces])
         layer.weight = nn.Parameter(dense.to(self.config.device, self.config.dtype), requires_grad=False)
         layer.linear_method = UnquantizedLinearMethod()
-        return "; ".join(self.config.path(t) if t != "dense" else "F32/F16 in the file: dense" for t in sorted(types))
+        return path
 
     def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]

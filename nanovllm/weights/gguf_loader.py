@@ -138,19 +138,15 @@ def iterate_gguf(path: str, hf_config, keep_quantized: bool = False) -> Iterator
     reader = open_gguf(path)
     permuted = _field(reader, "general.architecture") == "llama"
     with open(path, "rb") as file:
-        yield from _iterate_tensors(path, reader, file, hf_config, permuted, keep_quantized)
-
-
-def _iterate_tensors(path, reader, file, hf_config, permuted: bool, keep_quantized: bool):
-    for t in reader.tensors:
-        name = _hf_name(t.name)
-        if name is None:
-            if t.name == "rope_freqs.weight":
-                continue
-            raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
-        tensor = _load_tensor(file, t, keep_quantized)
-        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = hf_config.num_attention_heads if "q_proj" in name else hf_config.num_key_value_heads
-            unpermute = lambda rows: _unpermute_qk(rows, heads)  # noqa: E731
-            tensor = tensor.map_rows(unpermute) if isinstance(tensor, GGUFWeight) else unpermute(tensor)
-        yield name, tensor
+        for t in reader.tensors:
+            name = _hf_name(t.name)
+            if name is None:
+                if t.name == "rope_freqs.weight":
+                    continue
+                raise ValueError(f"unexpected tensor {t.name!r} in GGUF file {path}")
+            tensor = _load_tensor(file, t, keep_quantized)
+            if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = hf_config.num_attention_heads if "q_proj" in name else hf_config.num_key_value_heads
+                unpermute = lambda rows: _unpermute_qk(rows, heads)  # noqa: E731
+                tensor = tensor.map_rows(unpermute) if isinstance(tensor, GGUFWeight) else unpermute(tensor)
+            yield name, tensor
