@@ -4,6 +4,7 @@ single-stream decode and batched prefill figures, each against a physical limit 
     python bench.py                         # GPU: 256 seqs, in/out U[100,1024], Qwen3-0.6B shape, bf16
     python bench.py --mode decode1 --model llama3-8b      # bs=1 decode vs the weight-read bound
     python bench.py --mode prefill --model llama3-8b      # 8 x 4096-token prompts vs bf16 matmul peak
+    python bench.py --model llama3-8b --quantization fp8   # a 16-bit checkpoint quantized at load
     python bench.py --mode sweep --plot docs/decode_vs_batch.png   # decode tok/s against batch size
     python bench.py --device cpu --model smollm2 --num-seqs 32 --input-len 100 300 --output-len 128 128 --hf
 """
@@ -89,9 +90,11 @@ def make_llm(args, model, dtype, **settings) -> LLM:
     """The engine of every mode: the model's own max_model_len and the engine's max_num_seqs unless --max-model-len
     or --max-num-seqs say otherwise (users' defaults: the figures are the ones they get)."""
     llm = LLM(model, device=args.device, dtype=dtype, attention_backend=args.attention_backend,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, **settings)
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, quantization=args.quantization,
+              **settings)
     engine = llm.llm_engine
-    args.engine_used = (f"attention backend {engine.model_runner.backend.name}, max_model_len "
+    args.engine_used = (f"quantization {engine.model_config.quantization}, "
+                        f"attention backend {engine.model_runner.backend.name}, max_model_len "
                         f"{engine.model_config.max_model_len}, max_num_seqs {engine.config.max_num_seqs}")
     return llm
 
@@ -284,6 +287,7 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="timed runs on one engine: throughput mode (the prefix "
                     "cache reset before each; the median run is the last row) and decode1 (the median is reported)")
+    ap.add_argument("--quantization", default=None, help="gguf, none, fp8, int8 or int4; default: the engine's")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--attention-backend", default=None, help="torch, triton or flash_attn; default: the engine's")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256], help="sweep mode")

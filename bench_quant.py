@@ -1,9 +1,11 @@
-"""Quantized weights against the HBM bandwidth measured in the same run. Mode `kernels`: the GGUF GEMV
-(kernels/gguf_gemv.py) at Llama-3-8B's projection shapes, one row of x, each type's bytes read per second against
-the copy bandwidth, beside the bf16 GEMV of the same shape (graph-replayed, every call on its own copy of the weight
-so that it comes from HBM, not L2).
+"""Quantized weights against the HBM bandwidth measured in the same run. Mode `kernels`: one projection layer at each
+of Llama-3-8B's shapes, served as the engine serves it (the CUDA one-row GEMV, the Triton GEMV, or the many-row
+path, by type and row count), its weight bytes read per second against the copy bandwidth, beside the dense bf16
+layer of the same shape (graph-replayed, every call on its own copy of the layer so that it reads HBM, not L2).
+Types: the GGUF kernel types (fp16 x, the GGUF default), INT4_G128 (quantization='int4', fp16 x), int8 and fp8
+(bf16 x).
 
-    python bench_quant.py kernels [--types Q4_0 Q4_K] [--rows 1]
+    python bench_quant.py kernels [--types Q4_0 int8] [--rows 1]
 """
 import argparse
 import datetime
@@ -11,11 +13,12 @@ import sys
 
 import numpy as np
 import torch
-import triton
 
 from bench import measure_hbm_bandwidth
-from nanovllm.kernels.gemv import gemv
-from nanovllm.kernels.gguf_gemv import KERNEL_TYPES, gguf_gemv
+from nanovllm.kernels.gguf_gemv import KERNEL_TYPES
+from nanovllm.layers.gemv_linear import TritonGemvLinearMethod
+from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.quant.base_config import get_quantization_config
 from nanovllm.quant.gguf_weight import GGUFWeight
 from nanovllm.weights.synthetic_gguf import random_blocks
 
@@ -23,52 +26,67 @@ sys.path.insert(0, "scripts")
 from gpu_timing import copies_needed, graph_time  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # Llama-3-8B
-# (block_n, blocks, num_warps): the first is gguf_gemv's default; K-quants take blocks / 8 super-blocks a step
-CONFIGS = [(32, 16, 4), (64, 16, 4), (32, 32, 4), (64, 32, 8), (128, 16, 8), (64, 8, 4), (16, 32, 4), (128, 8, 4),
-           (16, 16, 2)]
+TYPES = [*KERNEL_TYPES, "int8", "fp8"]
+CUDA = torch.device("cuda")
 
 
-def weight_copies(type_name: str, n: int, k: int) -> list[GGUFWeight]:
-    raw = torch.from_numpy(np.ascontiguousarray(random_blocks(type_name, n, k, k ** -0.5, np.random.default_rng(0))))
-    first = GGUFWeight.from_blocks(raw.view(torch.uint8), type_name, (n, k)).to("cuda")
-    return [first] + [GGUFWeight(type_name, (n, k), {f: t.clone() for f, t in first.fields.items()})
-                      for _ in range(copies_needed(first.nbytes) - 1)]
+def layer(type_name: str, n: int, k: int) -> ReplicatedLinear:
+    """A [n, k] projection holding random weights of this type, loaded as the engine loads it."""
+    if type_name == "bf16":
+        linear = ReplicatedLinear(k, n, linear_method=TritonGemvLinearMethod()).to(torch.bfloat16)
+        linear.weight.data.normal_(0, k ** -0.5)
+        return linear
+    dtype = torch.bfloat16 if type_name in ("int8", "fp8") else torch.float16
+    config = get_quantization_config(type_name if type_name in ("int8", "fp8") else "gguf", CUDA, dtype, True)
+    linear = ReplicatedLinear(k, n, linear_method=config.linear_method())
+    if type_name in ("int8", "fp8"):
+        loaded = torch.randn(n, k, device=CUDA) * k ** -0.5
+    else:
+        raw = random_blocks(type_name, n, k, k ** -0.5, np.random.default_rng(0))
+        loaded = GGUFWeight.from_blocks(torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8), type_name, (n, k))
+    linear.weight_loader(linear.weight, loaded)
+    config.finish_loading(torch.nn.ModuleDict({"proj": linear}))
+    return linear
+
+
+def layer_bytes(linear: ReplicatedLinear) -> int:
+    tensors = [t for t in (linear.weight, getattr(linear, "qweight", None), getattr(linear, "weight_scale", None))
+               if t is not None]
+    return sum(t.nbytes for t in tensors) + sum(w.nbytes for _, w in getattr(linear, "qweights", []))
+
+
+def time_layers(type_name: str, n: int, k: int, rows: int) -> tuple[float, int]:
+    """(seconds a call, weight bytes) of the engine's path for this type and row count."""
+    first = layer(type_name, n, k)
+    nbytes = layer_bytes(first)
+    layers = [first] + [layer(type_name, n, k) for _ in range(copies_needed(nbytes) - 1)]
+    dtype = torch.bfloat16 if type_name in ("int8", "fp8", "bf16") else torch.float16
+    x = torch.randn(rows, k, dtype=dtype, device=CUDA)
+    seconds = graph_time([lambda linear=linear: linear(x) for linear in layers])
+    del layers
+    torch.cuda.empty_cache()
+    return seconds, nbytes
 
 
 def bench_kernels(args):
     bw = measure_hbm_bandwidth()
     print(f"\n| device | date | mode | config |\n|---|---|---|---|\n| {torch.cuda.get_device_name()} | "
-          f"{datetime.date.today()} | kernels | Llama-3-8B projections, {args.rows} row(s) of bf16 x; copy bandwidth "
+          f"{datetime.date.today()} | kernels | Llama-3-8B projections, {args.rows} row(s) of x; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s |\n")
-    print("| type | shape | bytes | us | of HBM bw | best (block_n, blocks, warps) us | of HBM bw | bf16 GEMV us | speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| type | shape | bytes | us | of HBM bw | bf16 layer us | speed-up |\n|---|---|---|---|---|---|---|")
+    torch.set_default_device(CUDA)
+    dense = {name: time_layers("bf16", n, k, args.rows)[0] for name, (n, k) in SHAPES.items()}
     for type_name in args.types:
         for name, (n, k) in SHAPES.items():
-            weights = weight_copies(type_name, n, k)
-            x = torch.randn(args.rows, k, dtype=torch.bfloat16, device="cuda")
-            nbytes = weights[0].nbytes
-            times = {}
-            for c in CONFIGS:
-                try:
-                    times[c] = graph_time([lambda w=w, c=c: gguf_gemv(x, w, block_n=c[0], blocks=c[1], num_warps=c[2])
-                                           for w in weights])
-                except triton.runtime.errors.OutOfResources:  # tiles over the shared memory of an SM
-                    pass
-            default, best = times[CONFIGS[0]], min(times, key=times.get)
-            del weights
-            dense = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies_needed(n * k * 2))]
-            dense_time = graph_time([lambda w=w: gemv(x, w) for w in dense])
-            del dense
-            print(f"| {type_name} | {name} {n}x{k} | {nbytes / 1e6:.1f} MB | {default * 1e6:.1f} | "
-                  f"{nbytes / default / bw:.0%} | {best}: {times[best] * 1e6:.1f} | {nbytes / times[best] / bw:.0%} | "
-                  f"{dense_time * 1e6:.1f} | {dense_time / times[best]:.2f}x |")
-            torch.cuda.empty_cache()
+            seconds, nbytes = time_layers(type_name, n, k, args.rows)
+            print(f"| {type_name} | {name} {n}x{k} | {nbytes / 1e6:.1f} MB | {seconds * 1e6:.1f} | "
+                  f"{nbytes / seconds / bw:.0%} | {dense[name] * 1e6:.1f} | {dense[name] / seconds:.2f}x |")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mode", choices=["kernels"])
-    ap.add_argument("--types", nargs="+", default=list(KERNEL_TYPES), choices=list(KERNEL_TYPES))
+    ap.add_argument("--types", nargs="+", default=TYPES, choices=TYPES)
     ap.add_argument("--rows", type=int, default=1)
     args = ap.parse_args()
     bench_kernels(args)

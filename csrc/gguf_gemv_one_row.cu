@@ -13,7 +13,7 @@ using namespace nanovllm;
 
 namespace {
 
-enum Type { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2 };
+enum Type { kQ4_0 = 0, kQ4_1 = 1, kQ4_K = 2, kINT4_G128 = 3 };  // INT4_G128: Q4_1's formula, 128 weights a block
 constexpr int kWarps = 4;  // rows a CTA
 
 struct GroupSums {
@@ -89,6 +89,13 @@ __global__ void __launch_bounds__(32 * kWarps) gguf_gemv_one_row_kernel(
       const float dd = __half2float(d_row[sb]), dmin = __half2float(m_row[sb]);  // w = dd * sc * q - dmin * mn
       acc += dd * (low.x * s.qx_low + high.x * s.qx_high) + (8.f * dd * low.x - dmin * low.y) * s.x_low
              + (8.f * dd * high.x - dmin * high.y) * s.x_high;
+    } else if (TYPE == kINT4_G128) {
+      const int b = u / 4, c = u % 4;  // block of 64 quant bytes, its 16-byte quarter
+      const uint4 q = __ldg(reinterpret_cast<const uint4*>(q_row + u * 16));
+      const __half* xl = x + b * 128 + c * 16;
+      const GroupSums s = dot_16_bytes(q, xl, xl + 64);
+      const float dd = __half2float(d_row[b]);
+      acc += dd * (s.qx_low + s.qx_high) + (8.f * dd + __half2float(m_row[b])) * (s.x_low + s.x_high);
     } else {
       const uint4 q = __ldg(reinterpret_cast<const uint4*>(q_row + u * 16));
       const GroupSums s = dot_16_bytes(q, x + u * 32, x + u * 32 + 16);
@@ -117,8 +124,8 @@ int launch(const void* x, const void* d, const void* m, const void* scales, cons
 
 extern "C" {
 
-// type: 0 Q4_0, 1 Q4_1, 2 Q4_K; x, y fp16; K a multiple of 32 (256 for Q4_K); x and qs rows 16-byte aligned; m is
-// Q4_1's m or Q4_K's dmin (any pointer for Q4_0), scales Q4_K's (any pointer otherwise). Strides in elements of
+// type: 0 Q4_0, 1 Q4_1, 2 Q4_K, 3 INT4_G128; x, y fp16; K a multiple of 32 (256 for Q4_K, 128 for INT4_G128); x
+// and qs rows 16-byte aligned; m is Q4_1's or INT4_G128's m or Q4_K's dmin (any pointer for Q4_0), scales Q4_K's (any pointer otherwise). Strides in elements of
 // each field. Returns a cudaError_t.
 int nanovllm_gguf_gemv_one_row(int type, const void* x, const void* d, const void* m, const void* scales,
                                const void* qs, void* y, int N, int K, int stride_d, int stride_scales, int stride_qs,
@@ -127,6 +134,8 @@ int nanovllm_gguf_gemv_one_row(int type, const void* x, const void* d, const voi
   switch (type) {
     case kQ4_0: return launch<kQ4_0>(x, d, m, scales, qs, y, N, K, stride_d, stride_scales, stride_qs, pdl, s);
     case kQ4_1: return launch<kQ4_1>(x, d, m, scales, qs, y, N, K, stride_d, stride_scales, stride_qs, pdl, s);
+    case kINT4_G128:
+      return launch<kINT4_G128>(x, d, m, scales, qs, y, N, K, stride_d, stride_scales, stride_qs, pdl, s);
     default: return launch<kQ4_K>(x, d, m, scales, qs, y, N, K, stride_d, stride_scales, stride_qs, pdl, s);
   }
 }

@@ -5,6 +5,7 @@ import torch
 
 from nanovllm.logger import log_once
 
+AT_LOAD = ("fp8", "int8", "int4")  # quantization of a 16-bit checkpoint at load
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -57,7 +58,8 @@ class Config:
     seed: int = 0
     attention_backend: str | None = None  # None: the device's default
     # None: a .gguf file's weights stay quantized on CUDA ("gguf"), and are dequantized at load on CPU, where the
-    # kept-quantized path is slower; "gguf": kept quantized on either; "none": dense
+    # kept-quantized path is slower; "gguf": kept quantized on either; "none": dense; "fp8", "int8", "int4": a
+    # 16-bit checkpoint quantized at load (quant/quantize.py says how)
     quantization: str | None = None
     model_config: ModelConfig = field(init=False)
 
@@ -79,7 +81,7 @@ class Config:
                  f"kv_cache_memory_bytes must be None or > 0, got {self.kv_cache_memory_bytes}")
         hf_config, fmt = load_model_config(self.model)
         quantization = self._resolve_quantization(fmt)
-        dtype = self._resolve_dtype(hf_config, fmt)
+        dtype = self._resolve_dtype(hf_config, fmt, quantization)
         if self.block_size is None:
             from nanovllm.attention.selector import default_block_size
 
@@ -102,13 +104,16 @@ class Config:
 
     def _resolve_quantization(self, fmt: str) -> str | None:
         q = self.quantization
-        if q in ("fp8", "int8", "int4"):
+        _require(q in (None, "gguf", "none", *AT_LOAD),
+                 f"quantization must be None, 'gguf', 'none', 'fp8', 'int8' or 'int4', got {q!r}")
+        if q in AT_LOAD:
             _require(fmt != "gguf", f"quantization={q!r} asks to quantize a 16-bit checkpoint, but {self.model} is a "
                                     "GGUF file, already quantized; pass quantization=None to keep its types")
-            raise NotImplementedError(f"quantization={q!r} (quantize at load) is not built yet; "
-                                      "GGUF files keep their quantization (quantization='gguf')")
-        _require(q in (None, "gguf", "none"),
-                 f"quantization must be None, 'gguf' or 'none' (fp8, int8, int4: not yet), got {q!r}")
+            if q == "fp8":
+                from nanovllm.quant.per_channel import fp8_supported
+
+                why_not = fp8_supported(torch.device(self.device))
+                _require(why_not is None, f"{why_not}; use quantization='int8' or 'int4'")
         if q == "gguf":
             _require(fmt == "gguf", f"quantization='gguf' needs a .gguf model file; {self.model} is {fmt}")
         if q is None and fmt == "gguf":
@@ -118,7 +123,7 @@ class Config:
                          "quantization='gguf' keeps them quantized in RAM")
         return None if q == "none" else q
 
-    def _resolve_dtype(self, hf_config, fmt: str) -> torch.dtype:
+    def _resolve_dtype(self, hf_config, fmt: str, quantization: str | None) -> torch.dtype:
         if isinstance(self.dtype, torch.dtype):
             dtype = self.dtype
         elif self.dtype == "auto":
@@ -128,6 +133,8 @@ class Config:
                 dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
                 dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
                 if fmt == "gguf":  # fp16 agrees with HF fp32 far more often than bf16 on GGUF files (docs)
+                    dtype = torch.float16
+                elif quantization == "int4":  # as vLLM's 4-bit kernels; the CUDA one-row GEMV takes fp16
                     dtype = torch.float16
                 elif dtype not in (torch.float16, torch.bfloat16):
                     dtype = torch.bfloat16

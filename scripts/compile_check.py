@@ -32,7 +32,7 @@ from nanovllm.kernels.paged_attention import paged_decode, paged_prefill  # noqa
 from nanovllm.kernels.rms_norm import rms_norm  # noqa: E402
 from nanovllm.kernels.rotary import rotary_  # noqa: E402
 from nanovllm.kernels.sampling import gumbel_argmax  # noqa: E402
-from nanovllm.quant.gguf_formats import FORMATS  # noqa: E402
+from nanovllm.quant.gguf_formats import BLOCK_FORMATS  # noqa: E402
 from nanovllm.quant.gguf_weight import GGUFWeight  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -140,10 +140,10 @@ def launch_everything():
     tile_tokens = prefill_tile_tokens(2)  # Qwen3-0.6B's group of 2 query heads a KV head
     tiles = torch.from_numpy(prefill_tiles([8] * 8, tile_tokens))
     paged_prefill(torch.randn(64, 16, 128, **bf16), k_cache, v_cache, tables, lens, starts, tiles, 0.088)
-    for type_name in KERNEL_TYPES:  # the quantized GEMV at Llama-3-8B's widest shape, 1 and 16 rows
-        fmt = FORMATS[type_name]
+    for type_name in KERNEL_TYPES:  # the quantized GEMV / GEMM at Llama-3-8B's widest shape
+        fmt = BLOCK_FORMATS[type_name]
         weight = GGUFWeight.from_blocks(torch.zeros(1024, fmt.row_bytes(4096), dtype=torch.uint8), type_name, (1024, 4096))
-        for rows in (1, 16):
+        for rows in (1, 16, 32, 64, 256):  # each tile config of gguf_gemv.launch_config
             gguf_gemv(torch.randn(rows, 4096, **bf16), weight)
 
 

@@ -24,7 +24,8 @@ if [[ $what == tests || $what == tests1 || $what == all ]]; then  # the engine a
     tests/test_paged_decode_cluster.py tests/test_cuda_library.py tests/test_engine_args.py
 fi
 if [[ $what == tests || $what == tests2 || $what == all ]]; then  # the Triton kernels and layers
-  gpu_tests tests2 tests/test_triton_kernels.py tests/test_layers.py tests/test_gguf_gemv.py tests/test_gguf_linear.py
+  gpu_tests tests2 tests/test_triton_kernels.py tests/test_layers.py tests/test_gguf_gemv.py tests/test_gguf_linear.py \
+    tests/test_quantize_at_load.py
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench.py --repeat 3 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -10

@@ -2,7 +2,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nanovllm.quant.gguf_formats import DENSE_TYPES, F16_FIELDS, FORMATS
+from nanovllm.quant.gguf_formats import BLOCK_FORMATS, DENSE_TYPES, F16_FIELDS
 
 
 def kernel_tol(dtype: torch.dtype) -> dict:
@@ -40,7 +40,7 @@ def hf_prompt_logprobs(model, prompt_ids: list[int]) -> torch.Tensor:
 def random_tensor(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """uint8 [rows, row bytes] of random blocks whose f16 scales are small and finite (any byte pattern of the rest
     is a valid block)."""
-    fmt = FORMATS[type_name]
+    fmt = BLOCK_FORMATS[type_name]
     if type_name in DENSE_TYPES:
         values = rng.normal(size=(rows, cols)).astype(np.float32)
         if type_name == "F16":

@@ -82,7 +82,7 @@ def test_every_default_above_names_a_known_argument():
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(tensor_parallel_size=2), dict(enable_lora=True), dict(quantization="fp8"), dict(kv_cache_dtype="fp8"),
+    dict(tensor_parallel_size=2), dict(enable_lora=True), dict(kv_cache_dtype="fp8"),
     dict(cpu_offload_gb=4), dict(speculative_config={"method": "ngram"}), dict(pipeline_parallel_size=2),
     dict(skip_tokenizer_init=True), dict(load_format="dummy"), dict(scheduling_policy="priority"),
 ])

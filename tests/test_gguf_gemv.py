@@ -11,8 +11,9 @@ from nanovllm.quant.gguf_weight import GGUFWeight
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SHAPES = [(40, 256, 1), (33, 768, 3), (17, 2560, 16)] if DEVICE == "cpu" else \
-    [(40, 256, 1), (33, 768, 3), (6144, 4096, 1), (4096, 14336, 1), (1024, 4096, 16), (4096, 14336, 5)]
+SHAPES = [(40, 256, 1), (33, 768, 3), (17, 2560, 16), (70, 512, 33), (40, 256, 130)] if DEVICE == "cpu" else \
+    [(40, 256, 1), (33, 768, 3), (6144, 4096, 1), (4096, 14336, 1), (1024, 4096, 16), (4096, 14336, 5),
+     (1000, 4096, 40), (4096, 14336, 100), (6144, 4096, 256)]
 
 
 def weight(type_name: str, n: int, k: int, seed: int = 0) -> GGUFWeight:

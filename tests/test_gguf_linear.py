@@ -50,7 +50,7 @@ def test_cpu_layer_matches_the_dequantized_weight(types, pieces, rows):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("types", [("Q4_0", "Q4_1", "Q8_0"), ("Q4_K",) * 3, ("Q8_0", "Q4_K", "Q4_K")])
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 300])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 100, 300])
 def test_cuda_layer_matches_the_dequantized_weight(types, rows):
     layer, dense, path = qkv_layer(types, "cuda", torch.float16)
     assert "Triton dequant-GEMV" in path
@@ -114,5 +114,5 @@ def test_quantization_bad_input(tiny_model_dir, smollm2_path):
         LLM(tiny_model_dir("tiny-llama"), quantization="gguf")
     with pytest.raises(ValueError, match="quantization='fp8' asks to quantize a 16-bit checkpoint.*GGUF file"):
         LLM(smollm2_path, quantization="fp8")
-    with pytest.raises(ValueError, match="quantization must be None, 'gguf' or 'none'.*got 'q4'"):
+    with pytest.raises(ValueError, match="quantization must be None, 'gguf', 'none', 'fp8', 'int8' or 'int4', got 'q4'"):
         LLM(smollm2_path, quantization="q4")

@@ -301,6 +301,21 @@ def test_gemv_matches_linear(rows, n, k, dtype, bias):
     torch.testing.assert_close(gemv(x, w, b, **tiles).float(), want, **kernel_tol(dtype))
 
 
+@pytest.mark.parametrize("rows,n,k", GEMV_SHAPES[:3] + GEMV_SHAPES[5:7])
+@pytest.mark.parametrize("qdtype", [torch.int8, torch.float8_e4m3fn])
+def test_gemv_of_a_per_channel_quantized_weight(rows, n, k, qdtype):
+    """int8 / fp8 weights with one fp32 scale a row (quantization='int8' / 'fp8'): the GEMV converts W to x's dtype
+    (exactly) and scales its fp32 sums."""
+    from nanovllm.quant.quantize import dequantize_per_channel, quantize_per_channel
+
+    dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(6)
+    q, scale = (t.to(DEVICE) for t in quantize_per_channel(torch.randn(n, k, generator=g), qdtype))
+    x = torch.randn(rows, k, generator=g).to(DEVICE, dtype)
+    want = gemv_reference(x.float(), dequantize_per_channel(q, scale))
+    torch.testing.assert_close(gemv(x, q, scale=scale).float(), want, **kernel_tol(dtype))
+
+
 @pytest.mark.parametrize("vocab", [300, 4099] if DEVICE == "cpu" else [300, 4099, 151936])
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
 def test_gumbel_argmax_matches_reference(vocab, num_splits):

@@ -19,6 +19,7 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.logger import log_once, logger
 from nanovllm.models import get_model_class
+from nanovllm.quant.base_config import get_quantization_config
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.weights.model_files import iterate_weights
 
@@ -94,12 +95,13 @@ class RunnerOutput:
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Bytes of weights that one step reads: each parameter and each quantized weight once (a tied LM head and
+    """Bytes of weights that one step reads: each parameter, buffer and quantized weight once (a tied LM head and
     embedding once), except an input embedding that the LM head does not share: a step reads only its tokens' rows
     of that."""
     embed = model.model.embed_tokens
     head = {id(t) for t in [model.lm_head.weight, *(w for _, w in getattr(model.lm_head, "qweights", []))]}
-    weights = {id(p): p.numel() * p.element_size() for p in model.parameters() if not p.is_meta}
+    # parameters and persistent buffers (an int8 / fp8 weight and its scales), not the rotary tables
+    weights = {id(t): t.numel() * t.element_size() for t in model.state_dict(keep_vars=True).values() if not t.is_meta}
     for module in model.modules():
         weights.update((id(w), w.nbytes) for _, w in getattr(module, "qweights", []))
     for table in (embed.weight, embed.qweight):
@@ -213,12 +215,8 @@ class ModelRunner:
         mc = self.config.model_config
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
-        quant_config = None
-        if mc.quantization == "gguf":
-            from nanovllm.quant.gguf_linear import GGUFConfig
-
-            quant_config = GGUFConfig(self.device, self.dtype, use_kernels=self.device.type == "cuda" and
-                                      self.config.attention_backend != "torch")
+        quant_config = get_quantization_config(mc.quantization, self.device, self.dtype, use_kernels=self.device.type
+                                               == "cuda" and self.config.attention_backend != "torch")
         try:
             with torch.device(self.device):
                 model = get_model_class(self.hf_config)(self.hf_config, quant_config)

@@ -25,9 +25,9 @@ GEMV_ROWS = _gemv_rows(os.environ.get("NANOVLLM_GEMV_ROWS", str(MAX_ROWS)))
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                 HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
     col_ok = cols < N
@@ -39,7 +39,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stri
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)  # int8 / fp8 W: exact in x's dtype
+    if HAS_SCALE:
+        acc *= tl.load(s_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -63,10 +65,10 @@ def launch_config(n: int, k: int, block_m: int = 16) -> dict:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-         **launch) -> torch.Tensor:
+         scale: torch.Tensor | None = None, **launch) -> torch.Tensor:
     """x: [M <= MAX_ROWS, K], weight: [N, K] (rows contiguous) -> [M, N]. launch: block_n, block_k,
     num_stages, num_warps (default: launch_config). out: [M, N] to write into (rows contiguous), else a new
-    tensor."""
+    tensor. scale: fp32 [N], each output column's factor (an int8 or fp8 weight's per-channel scale)."""
     M, K = x.shape[0], weight.shape[1]
     assert M <= MAX_ROWS and x.shape[1] == K and x.stride(1) == 1 and weight.stride(1) == 1
     N = weight.shape[0]
@@ -77,8 +79,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             launch["num_stages"] = 2
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
     _gemv_kernel[(triton.cdiv(N, launch["block_n"]),)](
-        x, weight, bias if bias is not None else weight, y, M, N, K, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
+        x, weight, bias if bias is not None else weight, scale if scale is not None else weight, y, M, N, K,
+        x.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, HAS_SCALE=scale is not None,
+        BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=launch["block_k"],
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=launch["num_warps"], num_stages=launch["num_stages"], **pdl_launch(x.device))
     return y

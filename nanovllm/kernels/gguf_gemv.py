@@ -1,9 +1,11 @@
-"""y = x W^T for a few rows of x (decode) with W a GGUF weight kept quantized (quant.gguf_weight.GGUFWeight): each
-program owns BLOCK_N rows of W, reads each of their bytes once, dequantizes a tile of blocks in registers as the
-torch twin does (the same f32 products, then the activations' dtype) and multiplies it on the tensor cores with x
-padded to 16 rows. Reference: F.linear(x, weight.dequantize()). Q4_0, Q4_1, Q8_0 and Q4_K so far (KERNEL_TYPES).
-With DEQUANT the same kernels write the dense weight instead (gguf_dequantize), for cuBLAS past MAX_ROWS rows.
-quant/gguf_linear.py picks among them and the CUDA one-row kernel (docs/benchmarks.md: their bandwidth)."""
+"""y = x W^T for up to MAX_ROWS rows of x (decode batches) with W a GGUF weight kept quantized
+(quant.gguf_weight.GGUFWeight): each program owns BLOCK_N rows of W and BLOCK_M rows of x, reads each of their
+weight bytes once, dequantizes a tile of blocks in registers as the torch twin does (the same f32 products, then the
+activations' dtype) and multiplies it on the tensor cores with x padded to BLOCK_M rows. Reference:
+F.linear(x, weight.dequantize()). Q4_0, Q4_1, Q8_0, Q4_K and INT4_G128 (the int4 of quantization="int4", read as
+Q4_1 in groups of 128) so far (KERNEL_TYPES). With DEQUANT the same kernels write the dense weight instead
+(gguf_dequantize), for cuBLAS past MAX_ROWS rows. quant/gguf_linear.py picks among them and the CUDA one-row kernel
+(docs/benchmarks.md: their bandwidth)."""
 import torch
 import triton
 import triton.language as tl
@@ -11,9 +13,23 @@ import triton.language as tl
 from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 from nanovllm.quant.gguf_weight import GGUFWeight
 
-MAX_ROWS = 16  # x padded to one 16-row MMA tile (64 rows: two types missed the reference on the H100, not yet found)
-_BLOCK32 = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}  # types of 32-weight blocks, by their kernel's TYPE constexpr
-KERNEL_TYPES = (*_BLOCK32, "Q4_K")
+MAX_ROWS = 256  # past it, Triton dequantize + cuBLAS (the crossover above 256 rows is not measured yet)
+
+
+def launch_config(m: int) -> dict:
+    """Tiles by rows of x: up to 16 one MMA tile of x against 32 rows of W a program (the GEMV); more, x tiled too
+    (a dequant-GEMM). The best of a sweep at Llama-3-8B's shapes on the H100 for INT4_G128 and Q4_K, 1.0-11x
+    faster than dequantize + cuBLAS at 32-256 rows (docs/benchmarks.md)."""
+    if m <= 16:
+        return dict(block_m=16, block_n=32, blocks=16, num_warps=4)
+    if m <= 32:
+        return dict(block_m=32, block_n=64, blocks=4, num_warps=4)
+    if m <= 64:
+        return dict(block_m=64, block_n=32, blocks=8, num_warps=4)
+    return dict(block_m=128, block_n=64, blocks=4, num_warps=8)
+# types of one scale a block, by their kernel's TYPE constexpr and weights a block
+_SMALL_BLOCKS = {"Q4_0": (0, 32), "Q4_1": (1, 32), "Q8_0": (2, 32), "INT4_G128": (1, 128)}
+KERNEL_TYPES = (*_SMALL_BLOCKS, "Q4_K")
 
 
 @triton.jit
@@ -56,17 +72,19 @@ def _scaled(q, d, BLOCK_N: tl.constexpr, NB: tl.constexpr, PER_BLOCK: tl.constex
 
 
 @triton.jit
-def _gemv_block32_kernel(x_ptr, d_ptr, m_ptr, qs_ptr, y_ptr, M, N, NUM_BLOCKS, stride_xm, stride_d, stride_qs,
-                         stride_ym, TYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NB: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, DEQUANT: tl.constexpr):
-    """Q4_0 (TYPE 0: d * (q - 8)), Q4_1 (1: d * q + m), Q8_0 (2: d * q, q int8). NB blocks of 32 weights a step.
-    Q4_0 / Q4_1 hold weight j of a block in the low nibble of quant byte j, weight j + 16 in its high nibble."""
+def _gemv_small_blocks_kernel(x_ptr, d_ptr, m_ptr, qs_ptr, y_ptr, M, N, NUM_BLOCKS, stride_xm, stride_d, stride_qs,
+                              stride_ym, TYPE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, NB: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                              DEQUANT: tl.constexpr):
+    """Q4_0 (TYPE 0: d * (q - 8)), Q4_1 and INT4_G128 (1: d * q + m), Q8_0 (2: d * q, q int8). NB blocks of GROUP
+    weights a step. The 4-bit types hold weight j of a block in the low nibble of quant byte j, weight j + GROUP / 2
+    in its high nibble."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols64 = tl.where(col_ok, cols, 0).to(tl.int64)  # columns past N read row 0 and are not stored
-    QB: tl.constexpr = 32 if TYPE == 2 else 16  # quant bytes a block
+    QB: tl.constexpr = GROUP if TYPE == 2 else GROUP // 2  # quant bytes a block
     wait_then_release(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     t = tl.arange(0, NB * QB)  # byte of the tile
@@ -78,21 +96,21 @@ def _gemv_block32_kernel(x_ptr, d_ptr, m_ptr, qs_ptr, y_ptr, M, N, NUM_BLOCKS, s
         qs = tl.load(qs_ptr + cols64[:, None] * stride_qs + (b0 * QB + t)[None, :], mask=col_ok[:, None] & t_ok[None, :],
                      other=0)
         if TYPE == 2:
-            w = _scaled(qs.to(tl.int8, bitcast=True).to(tl.float32), d, BLOCK_N, NB, 32)
-            acc = _use(acc, w, b0 * 32 + t, t_ok, x_ptr, rows, row_ok, stride_xm, y_ptr, cols64, col_ok, stride_ym,
+            w = _scaled(qs.to(tl.int8, bitcast=True).to(tl.float32), d, BLOCK_N, NB, GROUP)
+            acc = _use(acc, w, b0 * GROUP + t, t_ok, x_ptr, rows, row_ok, stride_xm, y_ptr, cols64, col_ok, stride_ym,
                        PRECISION, DEQUANT)
         else:
             low, high = (qs & 15).to(tl.float32), (qs >> 4).to(tl.float32)
             if TYPE == 0:
-                low, high = _scaled(low - 8, d, BLOCK_N, NB, 16), _scaled(high - 8, d, BLOCK_N, NB, 16)
+                low, high = _scaled(low - 8, d, BLOCK_N, NB, QB), _scaled(high - 8, d, BLOCK_N, NB, QB)
             else:
                 m = tl.load(m_ptr + cols64[:, None] * stride_d + blk[None, :], mask=d_mask, other=0.0).to(tl.float32)
-                m_t = tl.reshape(tl.broadcast_to(m[:, :, None], [BLOCK_N, NB, 16]), [BLOCK_N, NB * 16])
-                low, high = _scaled(low, d, BLOCK_N, NB, 16) + m_t, _scaled(high, d, BLOCK_N, NB, 16) + m_t
-            first = b0 * 32 + (t // 16) * 32 + t % 16  # the weight index of each byte's low nibble
+                m_t = tl.reshape(tl.broadcast_to(m[:, :, None], [BLOCK_N, NB, QB]), [BLOCK_N, NB * QB])
+                low, high = _scaled(low, d, BLOCK_N, NB, QB) + m_t, _scaled(high, d, BLOCK_N, NB, QB) + m_t
+            first = b0 * GROUP + (t // QB) * GROUP + t % QB  # the weight index of each byte's low nibble
             acc = _use(acc, low, first, t_ok, x_ptr, rows, row_ok, stride_xm, y_ptr, cols64, col_ok, stride_ym,
                        PRECISION, DEQUANT)
-            acc = _use(acc, high, first + 16, t_ok, x_ptr, rows, row_ok, stride_xm, y_ptr, cols64, col_ok, stride_ym,
+            acc = _use(acc, high, first + QB, t_ok, x_ptr, rows, row_ok, stride_xm, y_ptr, cols64, col_ok, stride_ym,
                        PRECISION, DEQUANT)
     _store_rows(acc, y_ptr, rows, row_ok, cols, col_ok, stride_ym, DEQUANT)
 
@@ -127,7 +145,7 @@ def _gemv_q4_k_kernel(x_ptr, d_ptr, dmin_ptr, scales_ptr, q_ptr, y_ptr, M, N, NU
     and 64c + 32 + i in its high nibble."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     cols64 = tl.where(col_ok, cols, 0).to(tl.int64)  # columns past N read row 0 and are not stored
     wait_then_release(PDL)
@@ -160,36 +178,38 @@ def _gemv_q4_k_kernel(x_ptr, d_ptr, dmin_ptr, scales_ptr, q_ptr, y_ptr, M, N, NU
     _store_rows(acc, y_ptr, rows, row_ok, cols, col_ok, stride_ym, DEQUANT)
 
 
-def gguf_gemv(x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor | None = None, block_n: int = 32,
-              blocks: int = 16, num_warps: int = 4) -> torch.Tensor:
-    """x: [M <= MAX_ROWS, K] (rows contiguous) -> [M, N] in x's dtype. out: [M, N] to write into, else a new tensor."""
+def gguf_gemv(x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor | None = None, **launch) -> torch.Tensor:
+    """x: [M, K] (rows contiguous) -> [M, N] in x's dtype. out: [M, N] to write into, else a new tensor. launch:
+    block_m, block_n, blocks, num_warps (default: launch_config(M))."""
     n, k = weight.shape
     m = x.shape[0]
-    assert m <= MAX_ROWS and x.shape[1] == k and x.stride(1) == 1
+    assert x.shape[1] == k and x.stride(1) == 1
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
-    _launch(x, weight, y, m, block_n, blocks, num_warps, dequant=False)
+    _launch(x, weight, y, m, dequant=False, **(launch or launch_config(m)))
     return y
 
 
 def gguf_dequantize(weight: GGUFWeight, dtype: torch.dtype, block_n: int = 16, blocks: int = 16) -> torch.Tensor:
     """The dense [N, K] weight in dtype: the same values the GEMV multiplies (its twin: weight.dequantize())."""
     w = torch.empty(weight.shape, dtype=dtype, device=weight.fields["d"].device)
-    _launch(w, weight, w, 0, block_n, blocks, 4, dequant=True)
+    _launch(w, weight, w, 0, dequant=True, block_m=16, block_n=block_n, blocks=blocks, num_warps=4)
     return w
 
 
-def _launch(x, weight: GGUFWeight, y, m: int, block_n: int, blocks: int, num_warps: int, dequant: bool):
+def _launch(x, weight: GGUFWeight, y, m: int, dequant: bool, block_m: int, block_n: int, blocks: int,
+            num_warps: int):
     """The type's kernel over the weight's rows: y = x W^T, or with dequant W into y (x is then unused)."""
     n, k = weight.shape
     assert weight.type_name in KERNEL_TYPES, f"no kernel for {weight.type_name} (kernels: {', '.join(KERNEL_TYPES)})"
     f = weight.fields
-    common = dict(BLOCK_M=16, BLOCK_N=block_n, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+    common = dict(BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=num_warps, DEQUANT=dequant, **pdl_launch(x.device))
-    grid = (triton.cdiv(n, block_n),)
-    if weight.type_name in _BLOCK32:
-        _gemv_block32_kernel[grid](
-            x, f["d"], f.get("m", f["d"]), f["qs"], y, m, n, k // 32, x.stride(0), f["d"].stride(0), f["qs"].stride(0),
-            y.stride(0), TYPE=_BLOCK32[weight.type_name], NB=blocks, **common)
+    grid = (triton.cdiv(n, block_n), max(1, triton.cdiv(m, block_m)))
+    if weight.type_name in _SMALL_BLOCKS:
+        type_id, group = _SMALL_BLOCKS[weight.type_name]
+        _gemv_small_blocks_kernel[grid](
+            x, f["d"], f.get("m", f["d"]), f["qs"], y, m, n, k // group, x.stride(0), f["d"].stride(0),
+            f["qs"].stride(0), y.stride(0), TYPE=type_id, GROUP=group, NB=max(1, blocks * 32 // group), **common)
     else:
         _gemv_q4_k_kernel[grid](
             x, f["d"], f["dmin"], f["scales"], f["qs"], y, m, n, k // 256, x.stride(0), f["d"].stride(0),

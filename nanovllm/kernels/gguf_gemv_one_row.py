@@ -1,5 +1,5 @@
 """One-row GEMV (bs=1 decode) over GGUF 4-bit weights kept quantized, in CUDA C++: csrc/gguf_gemv_one_row.cu, whose
-header says how. fp16 activations; Q4_0, Q4_1 and Q4_K (TYPES). Built with nvcc at first use and called through
+header says how. fp16 activations; Q4_0, Q4_1, Q4_K and INT4_G128 (TYPES). Built with nvcc at first use and called through
 ctypes, as kernels/gemv_one_row.py; NANOVLLM_GGUF_GEMV_CUDA=0 turns it off (the Triton GEMV runs instead).
 Twin: F.linear(x, weight.dequantize())."""
 import ctypes
@@ -9,7 +9,7 @@ import torch
 from nanovllm.kernels import cuda_library, pdl
 from nanovllm.quant.gguf_weight import GGUFWeight
 
-TYPES = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2}
+TYPES = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2, "INT4_G128": 3}
 
 
 def why_off(device: torch.device) -> str | None:
@@ -17,7 +17,7 @@ def why_off(device: torch.device) -> str | None:
     return cuda_library.entry_point(
         "gguf_gemv_one_row", device, "NANOVLLM_GGUF_GEMV_CUDA",
         [ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_void_p],
-        "one-row GEMVs of Q4_0 / Q4_1 / Q4_K weights run the CUDA kernel of csrc/gguf_gemv_one_row.cu",
+        "one-row GEMVs of Q4_0 / Q4_1 / Q4_K / INT4_G128 weights run the CUDA kernel of csrc/gguf_gemv_one_row.cu",
         "one-row GEMVs of GGUF weights run the Triton GEMV: the CUDA one is off ({reason})")
 
 

@@ -108,7 +108,7 @@ class LlamaModel(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config),
                                  getattr(config, "rope_freq_factors", None))
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, quant_config)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, _embedding_config(quant_config))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qkv_bias, o_bias, qk_norm, quant_config)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -131,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, config, quant_config=None):
-        """quant_config: where a GGUF file's weights stay quantized (quant.gguf_linear.GGUFConfig), else None."""
+        """quant_config: quantized projections (quant.base_config.QuantizationConfig), else None: dense."""
         super().__init__()
         if getattr(config, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported")
@@ -140,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
                                 self.qk_norm, quant_config)
         tied = getattr(config, "tie_word_embeddings", False)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, self.model.embed_tokens if tied else None,
-                              _linear_method(quant_config))
+                              _linear_method(_embedding_config(quant_config)))
         self.tied = tied
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -186,6 +186,11 @@ class LlamaForCausalLM(nn.Module):
 
 def _linear_method(quant_config):
     return quant_config.linear_method() if quant_config is not None else None
+
+
+def _embedding_config(quant_config):
+    """The embedding and LM head follow a GGUF file's types; weights quantized at load leave them dense."""
+    return quant_config if quant_config is not None and quant_config.quantize_embeddings else None
 
 
 def _copy_loader(param, tensor, shard_id=None):

@@ -48,7 +48,12 @@ _FORMATS = [
     BlockFormat("Q6_K", QK_K, 210, (("ql", 128), ("qh", 64), ("scales", 16), ("d", 2))),
 ]
 FORMATS = {f.name: f for f in _FORMATS}
-assert all(sum(size for _, size in f.fields) == f.block_bytes for f in _FORMATS)
+# Not a GGUF type: quantization="int4" quantizes 16-bit checkpoints into it at load (quant/quantize.py). Q4_1's fields
+# and formula (w = d * q + m: a scale and a zero offset) over groups of 128 weights; quant byte i of a group holds
+# weight i in its low nibble and weight 64 + i in its high nibble. The kernels read it as they read Q4_1.
+INT4_G128 = BlockFormat("INT4_G128", 128, 68, (("d", 2), ("m", 2), ("qs", 64)))
+BLOCK_FORMATS = {**FORMATS, INT4_G128.name: INT4_G128}  # every format that a GGUFWeight may hold
+assert all(sum(size for _, size in f.fields) == f.block_bytes for f in BLOCK_FORMATS.values())
 
 
 def _fields(blocks: torch.Tensor, fmt: BlockFormat) -> dict[str, torch.Tensor]:
@@ -99,7 +104,7 @@ def _q4_0(f):
 
 
 def _q4_1(f):
-    q = _nibbles(f["qs"], 16).reshape(f["qs"].shape[0], -1).float()
+    q = _nibbles(f["qs"], f["qs"].shape[1]).reshape(f["qs"].shape[0], -1).float()
     return f["d"] * q + f["m"]
 
 
@@ -165,16 +170,16 @@ def _q6_k(f):
     return (d * q.reshape(n, 16, -1).float()).reshape(n, QK_K)
 
 
-_DEQUANTIZE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q2_K": _q2_k,
+_DEQUANTIZE = {"Q4_0": _q4_0, "Q4_1": _q4_1, "INT4_G128": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "Q2_K": _q2_k,
                "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def dequantize(raw: torch.Tensor, type_name: str, cols: int) -> torch.Tensor:
     """A GGUF tensor's bytes, uint8 [rows, row_bytes] (or flat), -> float32 [rows, cols]. The reference twin of
     every quantized kernel."""
-    fmt = FORMATS.get(type_name)
+    fmt = BLOCK_FORMATS.get(type_name)
     if fmt is None:
-        raise ValueError(f"no torch dequantization for GGUF type {type_name}; it has: {', '.join(FORMATS)}")
+        raise ValueError(f"no torch dequantization for GGUF type {type_name}; it has: {', '.join(BLOCK_FORMATS)}")
     if cols % fmt.block_size:
         raise ValueError(f"a {type_name} row of {cols} weights is not whole blocks of {fmt.block_size}")
     raw = raw.reshape(-1, fmt.row_bytes(cols))

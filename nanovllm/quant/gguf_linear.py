@@ -1,26 +1,30 @@
 """GGUF weights kept quantized in memory (quantization="gguf"): each projection holds its file's blocks
 (quant.gguf_weight.GGUFWeight) and multiplies through the Triton dequant-GEMV for a few rows on CUDA, else through
 its torch twin (dequantize a slice of rows, then a dense matmul). A layer whose type has no kernel here is
-dequantized at load, and the log says so in the table of which kernel serves which layer."""
-from collections import Counter
+dequantized at load, and the log says so in the table of which kernel serves which layer.
 
+quantization="int4" runs the same path: each 16-bit projection is quantized at load into INT4_G128 blocks
+(quant/quantize.py), a format the kernels read as Q4_1; its embedding and LM head stay dense."""
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import LinearMethod, UnquantizedLinearMethod
-from nanovllm.logger import logger
-from nanovllm.quant.gguf_formats import FORMATS
+from nanovllm.quant.base_config import QuantizationConfig
+from nanovllm.quant.gguf_formats import BLOCK_FORMATS, INT4_G128
 from nanovllm.quant.gguf_weight import GGUFWeight
+from nanovllm.quant.quantize import quantize_int4
 
 CPU_CHUNK_BYTES = 1 << 20  # fp32 rows dequantized at a time on CPU (8 MB: 1.5x the peak RSS, no faster)
 
 
-class GGUFConfig:
-    """Which GGUF types stay quantized on this device and how they are multiplied."""
+class GGUFConfig(QuantizationConfig):
+    """Which GGUF types stay quantized on this device and how they are multiplied. int4: dense checkpoint weights
+    are quantized to INT4_G128 at load (and the embedding and LM head stay dense)."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, use_kernels: bool):
-        self.device, self.dtype = device, dtype
+    def __init__(self, device: torch.device, dtype: torch.dtype, use_kernels: bool, int4: bool = False):
+        self.device, self.dtype, self.int4 = device, dtype, int4
+        self.quantize_embeddings = not int4
         self.gemv = self.one_row = None
         if device.type == "cuda":
             from nanovllm.kernels import gguf_gemv  # CUDA only: the CPU path imports no Triton
@@ -33,10 +37,14 @@ class GGUFConfig:
                 self.dequantize = gguf_gemv.gguf_dequantize
                 self.one_row = gguf_gemv_one_row if gguf_gemv_one_row.why_off(device) is None else None
         else:  # the torch twin serves every format on CPU
-            self.kept_types = tuple(name for name, fmt in FORMATS.items() if fmt.block_size > 1)
+            self.kept_types = tuple(name for name, fmt in BLOCK_FORMATS.items() if fmt.block_size > 1)
 
     def linear_method(self) -> "GGUFLinearMethod":
         return GGUFLinearMethod(self)
+
+    def describe(self) -> str:
+        what = "int4 (INT4_G128) weights quantized at load" if self.int4 else "GGUF weights kept quantized"
+        return f"{what} on {self.device.type}"
 
     def path(self, type_name: str) -> str:
         if type_name not in self.kept_types:
@@ -44,19 +52,9 @@ class GGUFConfig:
         if self.gemv is not None:
             one_row = "CUDA GEMV for one fp16 row, " if self.one_row is not None and type_name in self.one_row.TYPES \
                 else ""
-            return f"{type_name}: {one_row}Triton dequant-GEMV up to {self.gemv_rows} rows, Triton dequantize + cuBLAS above"
+            return (f"{type_name}: {one_row}Triton dequant-GEMV / GEMM up to {self.gemv_rows} rows, "
+                    "Triton dequantize + cuBLAS above")
         return f"{type_name}: torch dequantize + matmul"
-
-    def finish_loading(self, model: nn.Module):
-        """Move each layer's loaded blocks to the device (or dequantize them), then log which path serves what."""
-        paths = Counter()
-        for name, module in model.named_modules():
-            method = getattr(module, "linear_method", None)
-            if isinstance(method, GGUFLinearMethod):
-                paths[(name.rsplit(".", 1)[-1], method.process_weights_after_loading(module))] += 1
-        if paths:
-            rows = "\n".join(f"  {kind:<14} x{count:<4} {path}" for (kind, path), count in sorted(paths.items()))
-            logger.info(f"GGUF weights kept quantized on {self.device.type} (layer, count, path):\n{rows}")
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -72,6 +70,10 @@ class GGUFLinearMethod(LinearMethod):
                                     requires_grad=False)
         layer.bias = nn.Parameter(torch.empty(layer.output_size), requires_grad=False) if bias else None
         layer.gguf_shards = {}
+        group = INT4_G128.block_size
+        if self.config.int4 and layer.input_size % group:
+            raise ValueError(f"quantization='int4' quantizes rows in groups of {group}, but a layer of this model "
+                             f"has rows of {layer.input_size} weights; use quantization='int8' or 'fp8'")
 
     def load_weight(self, layer: nn.Module, param: nn.Parameter, loaded, shard_id=None):
         if param is not layer.weight:  # the bias: dense in every GGUF file
@@ -79,6 +81,8 @@ class GGUFLinearMethod(LinearMethod):
         offset, size = layer.output_shards[shard_id]
         if tuple(loaded.shape) != (size, layer.input_size):
             raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {(size, layer.input_size)}")
+        if self.config.int4:
+            loaded = quantize_int4(loaded.to(self.config.device))
         layer.gguf_shards[shard_id] = loaded
 
     def process_weights_after_loading(self, layer: nn.Module) -> str:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.quant.gguf_formats import F16_FIELDS, FORMATS, dequantize
+from nanovllm.quant.gguf_formats import BLOCK_FORMATS, F16_FIELDS, dequantize
 
 
 @dataclass
@@ -20,7 +20,7 @@ class GGUFWeight:
     @classmethod
     def from_blocks(cls, raw: torch.Tensor, type_name: str, shape: tuple[int, int]) -> "GGUFWeight":
         """raw: the file's bytes of a [N, K] weight, uint8 [N, row bytes] (or flat)."""
-        fmt = FORMATS[type_name]
+        fmt = BLOCK_FORMATS[type_name]
         n, k = shape
         blocks = raw.reshape(n, k // fmt.block_size, fmt.block_bytes)
         fields, at = {}, 0
@@ -31,7 +31,7 @@ class GGUFWeight:
         return cls(type_name, (n, k), fields)
 
     def to_blocks(self) -> torch.Tensor:
-        fmt = FORMATS[self.type_name]
+        fmt = BLOCK_FORMATS[self.type_name]
         n, k = self.shape
         parts = [self.fields[name].reshape(n, k // fmt.block_size, -1).view(torch.uint8) for name, _ in fmt.fields]
         return torch.cat(parts, dim=-1).reshape(n, -1)

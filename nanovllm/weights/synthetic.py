@@ -27,6 +27,9 @@ SHAPES = {
                        max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=True,
                        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                          original_max_position_embeddings=128)),
+    "tiny-llama-128": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=128,
+                           intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=True),  # int4 groups
     "tiny-qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=512, hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=1024, rope_theta=10000.0),

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nanovllm.quant.gguf_formats import DENSE_TYPES, FORMATS, dequantize
+from nanovllm.quant.gguf_formats import BLOCK_FORMATS, DENSE_TYPES, FORMATS, dequantize
 from nanovllm.weights.synthetic import SHAPES
 
 _SCALES = ("d",)
@@ -31,7 +31,7 @@ def _set_f16(blocks: np.ndarray, fmt, fields, value: float):
 def _calibration(type_name: str) -> tuple[float, float]:
     """(d, min) f16 field values that give random blocks of this type mean 0 and std 1: measured once a type by the
     torch dequantization on 256 random blocks with d = 1, min = 0 and with d = 0, min = 1."""
-    fmt = FORMATS[type_name]
+    fmt = BLOCK_FORMATS[type_name]
     blocks = np.random.default_rng(0).integers(0, 256, size=(256, fmt.block_bytes), dtype=np.uint8)
 
     def values(d: float, minimum: float) -> torch.Tensor:
@@ -53,7 +53,7 @@ def random_blocks(type_name: str, rows: int, cols: int, std: float, rng: np.rand
         if type_name == "BF16":
             return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
         return values.astype(np.float16) if type_name == "F16" else values
-    fmt = FORMATS[type_name]
+    fmt = BLOCK_FORMATS[type_name]
     d, minimum = _calibration(type_name)
     raw = rng.integers(0, 256, size=(rows, fmt.row_bytes(cols)), dtype=np.uint8)
     blocks = raw.reshape(-1, fmt.block_bytes)

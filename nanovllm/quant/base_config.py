@@ -1,0 +1,48 @@
+"""What the model's construction and loading ask of a quantization (vLLM's QuantizationConfig): the linear method
+of each projection, whether the embedding and LM head follow it, and, once the weights are loaded, each layer's
+final form with a log table of which path serves which layer."""
+from collections import Counter
+
+import torch
+from torch import nn
+
+from nanovllm.logger import logger
+
+
+class QuantizationConfig:
+    # the embedding and LM head follow the checkpoint's own quantization (GGUF); False: they stay dense, as vLLM keeps
+    # them for weights quantized at load
+    quantize_embeddings = False
+
+    def linear_method(self):
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """What the load log calls these weights."""
+        raise NotImplementedError
+
+    def finish_loading(self, model: nn.Module):
+        """Each of this config's layers takes its final form (process_weights_after_loading returns the path that
+        serves it); then the log prints which path serves what."""
+        paths = Counter()
+        for name, module in model.named_modules():
+            method = getattr(module, "linear_method", None)
+            if getattr(method, "config", None) is self:
+                paths[(name.rsplit(".", 1)[-1], method.process_weights_after_loading(module))] += 1
+        if paths:
+            rows = "\n".join(f"  {kind:<14} x{count:<4} {path}" for (kind, path), count in sorted(paths.items()))
+            logger.info(f"{self.describe()} (layer, count, path):\n{rows}")
+
+
+def get_quantization_config(name: str | None, device: torch.device, dtype: torch.dtype,
+                            use_kernels: bool) -> QuantizationConfig | None:
+    """The config of a resolved `quantization` (Config: "gguf", "fp8", "int8", "int4" or None for dense)."""
+    if name in ("gguf", "int4"):
+        from nanovllm.quant.gguf_linear import GGUFConfig
+
+        return GGUFConfig(device, dtype, use_kernels, int4=name == "int4")
+    if name in ("fp8", "int8"):
+        from nanovllm.quant.per_channel import PerChannelConfig
+
+        return PerChannelConfig(name, device, dtype, use_kernels)
+    return None
