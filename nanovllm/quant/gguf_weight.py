@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.quant.gguf_formats import BLOCK_FORMATS, F16_FIELDS, dequantize
+from nanovllm.quant.gguf_formats import BLOCK_FORMATS, F16_FIELDS, dequantize_fields
 
 
 @dataclass
@@ -38,7 +38,7 @@ class GGUFWeight:
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K], bit for bit gguf.quants.dequantize of the file's bytes."""
-        return dequantize(self.to_blocks(), self.type_name, self.shape[1])
+        return dequantize_fields(self.fields, self.type_name, self.shape[1])
 
     def to(self, device) -> "GGUFWeight":
         return self.map_rows(lambda field: field.to(device))
