@@ -147,12 +147,17 @@ class Config:
         return dtype
 
     def _resolve_max_model_len(self, hf_config) -> int:
+        from nanovllm.layers.rotary_embedding import rope_parameters, scaled_max_positions
+
         limit = getattr(hf_config, "max_position_embeddings", None)
+        if limit is not None:  # rope scaling reaches further (yarn: the original context times its factor)
+            limit = scaled_max_positions(rope_parameters(hf_config), limit)
         if self.max_model_len is None:
             _require(limit is not None, "the model config has no max_position_embeddings: pass max_model_len")
             return limit
         _require(isinstance(self.max_model_len, int) and self.max_model_len >= 1,
                  f"max_model_len must be an integer >= 1, got {self.max_model_len}")
         _require(limit is None or self.max_model_len <= limit,
-                 f"max_model_len ({self.max_model_len}) is larger than the model's max_position_embeddings ({limit})")
+                 f"max_model_len ({self.max_model_len}) is larger than the model's context ({limit}: its "
+                 "max_position_embeddings, times its rope scaling factor where it has one)")
         return self.max_model_len

@@ -27,32 +27,93 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
                        torch.where(wavelen < old_len / high, inv_freq, blended))
 
 
-def compute_inv_freq(head_dim: int, p: dict, freq_factors=None) -> torch.Tensor:
-    base = p["rope_theta"]
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def _original_max_positions(p: dict, max_position: int) -> int:
+    return p.get("original_max_position_embeddings") or max_position
+
+
+def _yarn_inv_freq(head_dim: int, p: dict, max_position: int) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated (divided
+    by `factor`), those that turn more than beta_fast times are kept, with a linear ramp between (HF's formula)."""
+    base, factor = p["rope_theta"], p["factor"]
+    old_len = _original_max_positions(p, max_position)
+
+    def dim_of(rotations: float) -> float:  # the frequency index that turns `rotations` times over old_len
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(p.get("beta_fast") or 32), dim_of(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    keep = 1 - ramp  # 1 where the frequency is extrapolated (kept), 0 where interpolated
+    return 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
+def attention_factor(p: dict) -> float:
+    """YaRN's scale of cos and sin (the attention logits' temperature); 1 for every other type."""
+    if p["rope_type"] != "yarn":
+        return 1.0
+    if p.get("attention_factor") is not None:
+        return float(p["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = p["factor"]
+    if p.get("mscale") and p.get("mscale_all_dim"):
+        return float(mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"]))
+    return mscale(factor)
+
+
+def scaled_max_positions(p: dict, max_position: int) -> int:
+    """The positions a scaled rotary reaches (vLLM's rule): the original context times `factor` for yarn, the
+    config's max_position_embeddings times it for linear and dynamic; llama3 configs already state theirs."""
     kind = p["rope_type"]
+    if kind == "yarn":
+        return int(_original_max_positions(p, max_position) * p["factor"])
+    if kind in ("linear", "dynamic"):
+        return int(max_position * p["factor"])
+    return max_position
+
+
+def compute_inv_freq(head_dim: int, p: dict, max_position: int, freq_factors=None) -> torch.Tensor:
+    """max_position: the config's max_position_embeddings (yarn's default original context; dynamic NTK's base)."""
+    base = p["rope_theta"]
+    kind = p["rope_type"]
+    if kind == "dynamic":  # vLLM's static NTK: the base stretched once for the whole scaled context
+        factor = p["factor"]
+        base = base * (factor * scaled_max_positions(p, max_position) / max_position - (factor - 1)) ** (
+            head_dim / (head_dim - 2))
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if kind == "llama3":
         inv_freq = _llama3_inv_freq(inv_freq, p)
     elif kind == "linear":
         inv_freq = inv_freq / p["factor"]
-    elif kind != "default":
-        raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, llama3")
+    elif kind == "yarn":
+        inv_freq = _yarn_inv_freq(head_dim, p, max_position)
+    elif kind not in ("default", "dynamic"):
+        raise ValueError(f"unsupported rope scaling type {kind!r}; supported: default, linear, dynamic, yarn, llama3")
     if freq_factors is not None:  # GGUF stores llama3 scaling as per-frequency divisors
         inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
     return inv_freq
 
 
 class RotaryEmbedding(CustomOp):
-    """Neox-style rotary embedding (rotate halves) with a cos/sin table over all positions. Qwen3's per-head
+    """Neox-style rotary embedding (rotate halves) with a cos/sin table over all positions (rope scaling: default,
+    linear, dynamic NTK, yarn, llama3). Qwen3's per-head
     q/k RMSNorms, when given, run first (fused into the same kernel on the Triton path)."""
 
     def __init__(self, head_dim: int, max_position: int, params: dict, freq_factors=None):
+        """max_position: the config's max_position_embeddings; the tables cover what the scaling reaches."""
         super().__init__()
-        inv_freq = compute_inv_freq(head_dim, params, freq_factors)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        inv_freq = compute_inv_freq(head_dim, params, max_position, freq_factors)
+        positions = torch.arange(scaled_max_positions(params, max_position), dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        scale = attention_factor(params)  # yarn scales cos and sin alike, as HF's rotary does
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
         self._tables = {}  # dtype -> (cos, sin) cast once for the Triton kernel
 
     def tables(self, dtype: torch.dtype):
