@@ -61,6 +61,8 @@ class Config:
     # kept-quantized path is slower; "gguf": kept quantized on either; "none": dense; "fp8", "int8", "int4": a
     # 16-bit checkpoint quantized at load (quant/quantize.py says how)
     quantization: str | None = None
+    kv_offloading_size: float | None = None  # GiB of host memory for KV blocks (swap preemption so far); None: none
+    kv_offloading_backend: str | None = None  # "native" (the only one) or None
     model_config: ModelConfig = field(init=False)
 
     def __post_init__(self):
@@ -77,6 +79,10 @@ class Config:
                  f"({self.max_num_seqs}): every running sequence needs one token a step")
         _require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
                  f"num_gpu_blocks_override must be None or >= 1, got {self.num_gpu_blocks_override}")
+        _require(self.kv_offloading_size is None or self.kv_offloading_size > 0,
+                 f"kv_offloading_size must be None or > 0 (GiB), got {self.kv_offloading_size}")
+        _require(self.kv_offloading_backend in (None, "native"),
+                 f"kv_offloading_backend must be None or 'native', got {self.kv_offloading_backend!r}")
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                  f"kv_cache_memory_bytes must be None or > 0, got {self.kv_cache_memory_bytes}")
         hf_config, fmt = load_model_config(self.model)

@@ -40,7 +40,8 @@ class LLM:
                  enforce_eager: bool = False, async_scheduling: bool = True, seed: int | None = 0,
                  num_gpu_blocks_override: int | None = None,
                  kv_cache_memory_bytes: int | None = None, attention_backend: str | None = None,
-                 quantization: str | None = None, **kwargs):
+                 quantization: str | None = None, kv_offloading_size: float | None = None,
+                 kv_offloading_backend: str | None = None, **kwargs):
         """nanovllm's own arguments are named here; **kwargs takes vLLM's other engine arguments
         (nanovllm.engine_args: accepted where they ask for nothing nanovllm lacks)."""
         check_vllm_args(kwargs)
@@ -52,7 +53,8 @@ class LLM:
                         async_scheduling=async_scheduling, seed=0 if seed is None else seed,
                         num_gpu_blocks_override=num_gpu_blocks_override,
                         kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
-                        quantization=quantization)
+                        quantization=quantization, kv_offloading_size=kv_offloading_size,
+                        kv_offloading_backend=kv_offloading_backend)
         self.llm_engine = LLMEngine(config)
         self._request_counter = count()
 

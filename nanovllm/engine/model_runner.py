@@ -11,6 +11,7 @@ from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles
 from nanovllm.config import Config
 from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kvcache.swap_space import SwapSpace
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import LMHead
@@ -135,6 +136,7 @@ class ModelRunner:
         self._choose_layer_kernels()
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        self.swap_space = self._make_swap_space()
         if self.device.type == "cpu":
             keep_freed_memory()  # after loading: load-time temporaries are returned to the OS as before
         self.sampler = Sampler(use_triton=self.fast_kernels)
@@ -352,6 +354,22 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         logger.info(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
                     f"({self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 30):.2f} GiB on {self.device})")
+
+    def _make_swap_space(self) -> SwapSpace | None:
+        """kv_offloading_size GiB of host blocks that preempted sequences swap their KV into (None: recompute)."""
+        gib = self.config.kv_offloading_size
+        if gib is None:
+            return None
+        num_blocks = int(gib * (1 << 30)) // self.kv_bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(f"kv_offloading_size={gib} GiB holds no KV block ({self.kv_bytes_per_block()} bytes "
+                             "each): raise it")
+        c, attn = self.hf_config, self.attention_layers[0]
+        q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        layer_params = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+        swap_space = SwapSpace(self.kv_cache, num_blocks, 2 * c.num_hidden_layers * layer_params)
+        logger.info(f"KV swap space: {num_blocks} blocks in host memory ({gib:g} GiB)")
+        return swap_space
 
     # ---- one step -------------------------------------------------------------------------------
     def _to_device(self, array, dtype) -> torch.Tensor:

@@ -2,20 +2,25 @@ from collections import deque
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.kvcache.swap_space import SwapSpace
 
 
 class Scheduler:
     """Each step: running sequences first (one decode token, or the next chunk of a long prompt), then
     waiting ones while the token budget and free blocks last. When blocks run out, the newest running
-    sequence is preempted (its KV dropped, to be recomputed) and goes back to the head of the queue."""
+    sequence is preempted and goes back to the head of the queue: its KV dropped, to be recomputed, or, with a
+    swap space where the copy is cheaper, copied to host memory and back when it resumes."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 swap_space: SwapSpace | None = None):
         self.block_manager = block_manager
+        self.swap_space = swap_space
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swaps = 0  # of those, how many swapped their KV out instead of dropping it
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -45,18 +50,22 @@ class Scheduler:
                 i += 1
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.block_manager.find_cached_blocks(seq)
-            num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
-            if not self.block_manager.allocate_slots(seq, num_new, hits):
-                break
-            seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_manager.block_size
-            seq.num_registered_blocks = len(hits)
-            seq.num_scheduled_tokens = num_new
+            if seq.swapped_blocks is not None:
+                if not self._swap_in(seq, budget):
+                    break
+            else:
+                hits = self.block_manager.find_cached_blocks(seq)
+                num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+                if not self.block_manager.allocate_slots(seq, num_new, hits):
+                    break
+                seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_manager.block_size
+                seq.num_registered_blocks = len(hits)
+                seq.num_scheduled_tokens = num_new
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
             self.running.append(seq)
             scheduled.append(seq)
-            budget -= num_new
+            budget -= seq.num_scheduled_tokens
         # decodes first (the backends' layout), longest first: the attention kernels start their longest
         # programs first, which shortens the tail (1% at 215 sequences on the H100)
         scheduled.sort(key=lambda s: (s.num_scheduled_tokens != 1, -s.num_tokens))
@@ -88,12 +97,29 @@ class Scheduler:
         return self.schedule()
 
     def _preempt(self, seq: Sequence):
+        computed_blocks = seq.block_table[:-(-seq.num_computed_tokens // self.block_manager.block_size)]
+        if self.swap_space is not None and computed_blocks and \
+                self.swap_space.swap_beats_recompute(len(computed_blocks), seq.num_computed_tokens):
+            seq.swapped_blocks = self.swap_space.swap_out(computed_blocks)  # None: no room, recompute
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_computed_tokens = seq.num_scheduled_tokens = 0
-        seq.prompt_logprobs = []
+        seq.num_scheduled_tokens = 0
+        if seq.swapped_blocks is None:
+            seq.num_computed_tokens = 0
+            seq.prompt_logprobs = []
+        self.num_swaps += seq.swapped_blocks is not None
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def _swap_in(self, seq: Sequence, budget: int) -> bool:
+        """Give a swapped-out sequence device blocks for its KV and this step's tokens, and copy its KV back."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not self.block_manager.allocate_slots(seq, num_new):
+            return False
+        self.swap_space.swap_in(seq.swapped_blocks, seq.block_table[:len(seq.swapped_blocks)])
+        seq.swapped_blocks = None
+        seq.num_scheduled_tokens = num_new
+        return True
 
     def finish_step(self, scheduled: list[Sequence]):
         """Account the tokens just computed and register newly filled blocks in the prefix cache."""
@@ -106,6 +132,9 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.block_manager.free(seq)
+        if seq.swapped_blocks is not None:  # aborted while swapped out
+            self.swap_space.release(seq.swapped_blocks)
+            seq.swapped_blocks = None
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

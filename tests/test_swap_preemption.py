@@ -1,0 +1,82 @@
+"""Swap preemption (kv_offloading_size): a preempted sequence's KV copied to host blocks and back gives the tokens
+that recomputing it gives, the swap-or-recompute choice follows the measured costs, and no block of either tier
+leaks through preemption, abort or completion."""
+import random
+
+import pytest
+
+from nanovllm import LLM, SamplingParams
+
+PROMPTS = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(6)]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def engine(tiny_model_dir, **kw) -> LLM:
+    """12 device blocks of 16 tokens for 6 sequences of up to 95 tokens: preemptions are certain. A swap space's
+    copy is made cheap, so that swapping never hangs on timings of a busy machine (the choice has its own test)."""
+    llm = LLM(tiny_model_dir("tiny-llama"), device="cpu", max_model_len=128, num_gpu_blocks_override=12,
+              block_size=16, **kw)
+    if llm.llm_engine.scheduler.swap_space is not None:
+        llm.llm_engine.scheduler.swap_space.bandwidth = 1e12
+    return llm
+
+
+def assert_no_leaks(llm: LLM):
+    scheduler = llm.llm_engine.scheduler
+    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+    if scheduler.swap_space is not None:
+        assert scheduler.swap_space.num_free_blocks == scheduler.swap_space.pool.shape[2]
+
+
+def greedy(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def test_swap_gives_the_tokens_of_recompute(tiny_model_dir):
+    recompute, swap = engine(tiny_model_dir), engine(tiny_model_dir, kv_offloading_size=0.01)
+    want, got = greedy(recompute), greedy(swap)
+    assert recompute.llm_engine.scheduler.num_preemptions > 0 and recompute.llm_engine.scheduler.num_swaps == 0
+    assert swap.llm_engine.scheduler.num_swaps > 0
+    assert got == want
+    assert_no_leaks(recompute)
+    assert_no_leaks(swap)
+
+
+def test_recompute_where_the_copy_costs_more_or_the_pool_is_full(tiny_model_dir):
+    llm = engine(tiny_model_dir, kv_offloading_size=0.01)
+    space = llm.llm_engine.scheduler.swap_space
+    assert space.swap_beats_recompute(1, 1000) and not space.swap_beats_recompute(1000, 1)
+    want = greedy(engine(tiny_model_dir))
+    space.bandwidth = 1.0  # a copy dearer than any recompute
+    assert greedy(llm) == want and llm.llm_engine.scheduler.num_swaps == 0
+    space.bandwidth = 1e12
+    del space.free_blocks[1:]  # one host block: too few for any preempted sequence
+    assert greedy(llm) == want and llm.llm_engine.scheduler.num_swaps == 0
+
+
+def test_no_block_leaks_through_random_aborts(tiny_model_dir):
+    llm = engine(tiny_model_dir, kv_offloading_size=0.01)
+    eng, rng = llm.llm_engine, random.Random(0)
+    for round_ in range(3):
+        ids = [f"r{round_}-{i}" for i in range(8)]
+        for rid, prompt in zip(ids, PROMPTS + PROMPTS[:2]):
+            eng.add_request(rid, prompt["prompt_token_ids"], SamplingParams(temperature=0.8, max_tokens=30, seed=1))
+        for _ in range(40):
+            eng.step()
+            if rng.random() < 0.15:
+                eng.abort_request(rng.choice(ids))
+        eng.abort_request(ids)
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert_no_leaks(llm)
+    assert eng.scheduler.num_swaps > 0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(kv_offloading_size=0), "kv_offloading_size must be None or > 0"),
+    (dict(kv_offloading_size=1e-9), "kv_offloading_size=1e-09 GiB holds no KV block"),
+    (dict(kv_offloading_size=1, kv_offloading_backend="lmcache"), "kv_offloading_backend must be None or 'native'"),
+])
+def test_bad_offloading_settings_name_the_problem(tiny_model_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        engine(tiny_model_dir, **kwargs)
