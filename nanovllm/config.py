@@ -116,9 +116,9 @@ class Config:
             _require(fmt != "gguf", f"quantization={q!r} asks to quantize a 16-bit checkpoint, but {self.model} is a "
                                     "GGUF file, already quantized; pass quantization=None to keep its types")
             if q == "fp8":
-                from nanovllm.quant.per_channel import fp8_supported
+                from nanovllm.quant.per_channel import why_no_fp8
 
-                why_not = fp8_supported(torch.device(self.device))
+                why_not = why_no_fp8(torch.device(self.device))
                 _require(why_not is None, f"{why_not}; use quantization='int8' or 'int4'")
         if q == "gguf":
             _require(fmt == "gguf", f"quantization='gguf' needs a .gguf model file; {self.model} is {fmt}")

@@ -10,12 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import LinearMethod, UnquantizedLinearMethod
-from nanovllm.quant.base_config import QuantizationConfig
+from nanovllm.quant.base_config import QuantizationConfig, rows_per_chunk
 from nanovllm.quant.gguf_formats import BLOCK_FORMATS, INT4_G128
 from nanovllm.quant.gguf_weight import GGUFWeight
 from nanovllm.quant.quantize import quantize_int4
-
-CPU_CHUNK_BYTES = 1 << 20  # fp32 rows dequantized at a time on CPU (8 MB: 1.5x the peak RSS, no faster)
 
 
 class GGUFConfig(QuantizationConfig):
@@ -124,7 +122,7 @@ class GGUFLinearMethod(LinearMethod):
                 out.copy_(F.linear(x, self.config.dequantize(weight, x.dtype)))
             return
         n, k = weight.shape
-        step = n if x.is_cuda else max(1, CPU_CHUNK_BYTES // (4 * k))
+        step = rows_per_chunk(x, k)
         for start in range(0, n, step):
             rows = weight.map_rows(lambda field: field[start:start + step])
             out[:, start:start + rows.shape[0]] = F.linear(x, rows.dequantize().to(x.dtype))

@@ -11,14 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.linear import LinearMethod
-from nanovllm.quant.base_config import QuantizationConfig
+from nanovllm.quant.base_config import QuantizationConfig, rows_per_chunk
 from nanovllm.quant.quantize import CHANNEL_QMAX, quantize_per_channel
 
-CPU_CHUNK_BYTES = 1 << 20  # fp32 rows converted at a time on CPU, as the GGUF twin
 QDTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
-def fp8_supported(device: torch.device) -> str | None:
+def why_no_fp8(device: torch.device) -> str | None:
     """None where quantization='fp8' can run on this device, else why not."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
@@ -117,7 +116,7 @@ def _dequantized_matmul(x: torch.Tensor, qweight: torch.Tensor, weight_scale: to
     """out = (x q^T) * scale, q converted to x's dtype (exactly: |q| <= 448 with 3 mantissa bits, or 127); on CPU a
     slice of rows at a time, so no dense copy of the weight is ever whole."""
     n, k = qweight.shape
-    step = n if x.is_cuda else max(1, CPU_CHUNK_BYTES // (4 * k))
+    step = rows_per_chunk(x, k)
     for start in range(0, n, step):
         rows = slice(start, start + step)
         out[:, rows] = F.linear(x, qweight[rows].to(x.dtype)) * weight_scale[rows].to(x.dtype)
