@@ -47,8 +47,12 @@ def smollm2_path():
 
 
 def assert_no_leaks(llm):
+    """Every KV block is free again: the device's and, with a swap space, the host's."""
     bm = llm.llm_engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert not llm.llm_engine.scheduler.has_unfinished()
     assert llm.llm_engine._in_flight is None
+    swap_space = llm.llm_engine.scheduler.swap_space
+    if swap_space is not None:
+        assert swap_space.num_free_blocks == swap_space.pool.shape[2], "host KV blocks leaked"
