@@ -53,6 +53,6 @@ def assert_no_leaks(llm):
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert not llm.llm_engine.scheduler.has_unfinished()
     assert llm.llm_engine._in_flight is None
-    swap_space = llm.llm_engine.scheduler.swap_space
-    if swap_space is not None:
-        assert swap_space.num_free_blocks == swap_space.pool.shape[2], "host KV blocks leaked"
+    host_pool = llm.llm_engine.scheduler.host_pool
+    if host_pool is not None:
+        assert host_pool.num_free_blocks == host_pool.pool.shape[2], "host KV blocks leaked"

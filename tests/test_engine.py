@@ -123,11 +123,11 @@ def test_block_manager_frees_and_evicts_in_order():
     bm.cache_full_blocks(a)
     assert len(bm.cached) == 2
     hits = bm.find_cached_blocks(b)
-    assert hits == a.block_table[:1]  # b shares a's first block (4 tokens); its second block differs
+    assert hits.device_blocks == a.block_table[:1] and not hits.host_hashes  # b shares a's first block only
     bm.free(a)
     assert bm.num_free_blocks == 4
-    assert bm.allocate_slots(b, 3, hits) and b.block_table[0] == hits[0]
-    assert bm.blocks[hits[0]].ref_count == 1 and bm.num_free_blocks == 2
+    assert bm.allocate_slots(b, 3, hits) and b.block_table[0] == hits.device_blocks[0]
+    assert bm.blocks[hits.device_blocks[0]].ref_count == 1 and bm.num_free_blocks == 2
 
 
 

@@ -1,9 +1,11 @@
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kvcache.host_pool import HostKVPool
 
 
 class Block:
@@ -25,20 +27,35 @@ def hash_block(parent_hash: int | None, token_ids) -> int:
     return h.intdigest()
 
 
+@dataclass
+class PrefixHit:
+    """The cached blocks that start a sequence: on the device (block ids), then in the host pool (block hashes)."""
+    device_blocks: list[int] = field(default_factory=list)
+    host_hashes: list[int] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device_blocks) + len(self.host_hashes)
+
+
 class BlockManager:
     """Fixed-size KV blocks with reference counts and a prefix cache keyed by chain hashes.
 
     Blocks with no reference wait in `free_queue` in eviction order (least recently freed first);
-    a cached one among them can still be revived by a prefix hit until it is handed out again.
+    a cached one among them can still be revived by a prefix hit until it is handed out again. With a host pool,
+    a cached block handed out again keeps its KV there, and a prefix found there is loaded back.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 host_pool: HostKVPool | None = None):
+        self.host_pool = host_pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.num_cache_hit_blocks = 0  # statistics: blocks reused through the prefix cache
+        self.num_host_hit_blocks = 0  # of those, loaded from the host pool
 
     @property
     def num_blocks(self) -> int:
@@ -56,47 +73,61 @@ class BlockManager:
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
         return seq.block_hashes
 
-    def find_cached_blocks(self, seq: Sequence) -> list[int]:
-        """The longest run of cached blocks at the start of seq, leaving at least its last token to compute
-        (that token's logits are needed)."""
+    def find_cached_blocks(self, seq: Sequence) -> PrefixHit:
+        """The longest run of cached blocks at the start of seq (on the device, then in the host pool), leaving at
+        least its last token to compute (that token's logits are needed)."""
+        hit = PrefixHit()
         if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
-            return []
+            return hit
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs
-        hits = []
         for i, h in enumerate(self._full_block_hashes(seq)[:max_blocks]):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+            if not hit.host_hashes and block_id is not None and self.blocks[block_id].token_ids == tokens:
+                hit.device_blocks.append(block_id)
+            elif self.host_pool is not None and self.host_pool.find_prefix(h, tokens):
+                hit.host_hashes.append(h)
+            else:
                 break
-            hits.append(block_id)
-        return hits
+        return hit
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        """Make seq's block table cover its computed tokens plus num_new_tokens, taking `cached_blocks`
-        first (a prefix hit, only for a sequence with no blocks yet). False, and no change, if it can't."""
-        need_total = -(-(seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens)
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Make seq's block table cover its computed tokens plus num_new_tokens, taking a prefix hit's blocks
+        first (only for a sequence with no blocks yet; host ones are loaded into new blocks). False, and no
+        change, if it can't."""
+        hit = hit or PrefixHit()
+        need_total = -(-(seq.num_computed_tokens + hit.num_blocks * self.block_size + num_new_tokens)
                        // self.block_size)
-        num_new_blocks = need_total - len(seq.block_table) - len(cached_blocks)
-        revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        num_new_blocks = need_total - len(seq.block_table) - len(hit.device_blocks)
+        revived = sum(1 for b in hit.device_blocks if self.blocks[b].ref_count == 0)
         if num_new_blocks + revived > len(self.free_queue):
             return False
-        for block_id in cached_blocks:
+        for block_id in hit.device_blocks:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_queue[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
-        self.num_cache_hit_blocks += len(cached_blocks)
-        for _ in range(max(num_new_blocks, 0)):
-            seq.block_table.append(self._take_free_block())
+        # the host hits leave the pool's eviction order while device blocks are taken: evicting those stores
+        # their KV in the pool, which must not push the hits out
+        held = self.host_pool.checkout(hit.host_hashes) if hit.host_hashes else []
+        new_blocks = [self._take_free_block() for _ in range(max(num_new_blocks, 0))]
+        if held:
+            self.host_pool.load_prefix(held, new_blocks[:len(held)])
+        seq.block_table += new_blocks
+        self.num_cache_hit_blocks += hit.num_blocks
+        self.num_host_hit_blocks += len(hit.host_hashes)
         return True
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
-        if block.block_hash is not None:  # evict it from the prefix cache
+        if block.block_hash is not None:  # evict it from the prefix cache (its KV kept in the host pool)
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
+                if self.host_pool is not None:
+                    self.host_pool.store_prefix(block.block_hash, block.token_ids, block_id)
             block.block_hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id
@@ -119,6 +150,8 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash, block.token_ids = None, ()
         self.cached.clear()
+        if self.host_pool is not None:
+            self.host_pool.reset_prefix_cache()
         return True
 
     def cache_full_blocks(self, seq: Sequence):

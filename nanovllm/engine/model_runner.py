@@ -11,7 +11,7 @@ from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles
 from nanovllm.config import Config
 from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.sequence import Sequence
-from nanovllm.kvcache.swap_space import SwapSpace
+from nanovllm.kvcache.host_pool import HostKVPool
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import LMHead
@@ -136,7 +136,7 @@ class ModelRunner:
         self._choose_layer_kernels()
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
-        self.swap_space = self._make_swap_space()
+        self.host_pool = self._make_host_pool()
         if self.device.type == "cpu":
             keep_freed_memory()  # after loading: load-time temporaries are returned to the OS as before
         self.sampler = Sampler(use_triton=self.fast_kernels)
@@ -355,7 +355,7 @@ class ModelRunner:
         logger.info(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
                     f"({self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 30):.2f} GiB on {self.device})")
 
-    def _make_swap_space(self) -> SwapSpace | None:
+    def _make_host_pool(self) -> HostKVPool | None:
         """kv_offloading_size GiB of host blocks that preempted sequences swap their KV into (None: recompute)."""
         gib = self.config.kv_offloading_size
         if gib is None:
@@ -367,9 +367,9 @@ class ModelRunner:
         c, attn = self.hf_config, self.attention_layers[0]
         q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         layer_params = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
-        swap_space = SwapSpace(self.kv_cache, num_blocks, 2 * c.num_hidden_layers * layer_params)
+        host_pool = HostKVPool(self.kv_cache, num_blocks, 2 * c.num_hidden_layers * layer_params)
         logger.info(f"KV swap space: {num_blocks} blocks in host memory ({gib:g} GiB)")
-        return swap_space
+        return host_pool
 
     # ---- one step -------------------------------------------------------------------------------
     def _to_device(self, array, dtype) -> torch.Tensor:

@@ -2,7 +2,7 @@ from collections import deque
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.kvcache.swap_space import SwapSpace
+from nanovllm.kvcache.host_pool import HostKVPool
 
 
 class Scheduler:
@@ -12,9 +12,9 @@ class Scheduler:
     swap space where the copy is cheaper, copied to host memory and back when it resumes."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 swap_space: SwapSpace | None = None):
+                 host_pool: HostKVPool | None = None):
         self.block_manager = block_manager
-        self.swap_space = swap_space
+        self.host_pool = host_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -55,11 +55,11 @@ class Scheduler:
                     break
             else:
                 hits = self.block_manager.find_cached_blocks(seq)
-                num_new = min(seq.num_tokens - len(hits) * self.block_manager.block_size, budget)
+                num_new = min(seq.num_tokens - hits.num_blocks * self.block_manager.block_size, budget)
                 if not self.block_manager.allocate_slots(seq, num_new, hits):
                     break
-                seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self.block_manager.block_size
-                seq.num_registered_blocks = len(hits)
+                seq.num_computed_tokens = seq.num_cached_tokens = hits.num_blocks * self.block_manager.block_size
+                seq.num_registered_blocks = len(hits.device_blocks)
                 seq.num_scheduled_tokens = num_new
             seq.status = SequenceStatus.RUNNING
             self.waiting.popleft()
@@ -98,9 +98,9 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence):
         computed_blocks = seq.block_table[:-(-seq.num_computed_tokens // self.block_manager.block_size)]
-        if self.swap_space is not None and computed_blocks and \
-                self.swap_space.swap_beats_recompute(len(computed_blocks), seq.num_computed_tokens):
-            seq.swapped_blocks = self.swap_space.swap_out(computed_blocks)  # None: no room, recompute
+        if self.host_pool is not None and computed_blocks and \
+                self.host_pool.swap_beats_recompute(len(computed_blocks), seq.num_computed_tokens):
+            seq.swapped_blocks = self.host_pool.swap_out(computed_blocks)  # None: no room, recompute
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
@@ -116,7 +116,7 @@ class Scheduler:
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
         if not self.block_manager.allocate_slots(seq, num_new):
             return False
-        self.swap_space.swap_in(seq.swapped_blocks, seq.block_table[:len(seq.swapped_blocks)])
+        self.host_pool.swap_in(seq.swapped_blocks, seq.block_table[:len(seq.swapped_blocks)])
         seq.swapped_blocks = None
         seq.num_scheduled_tokens = num_new
         return True
@@ -133,7 +133,7 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.block_manager.free(seq)
         if seq.swapped_blocks is not None:  # aborted while swapped out
-            self.swap_space.release(seq.swapped_blocks)
+            self.host_pool.release(seq.swapped_blocks)
             seq.swapped_blocks = None
         if seq in self.running:
             self.running.remove(seq)

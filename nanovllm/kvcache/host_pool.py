@@ -1,14 +1,21 @@
-"""KV blocks in host memory (pinned on CUDA; `kv_offloading_size` GiB, vLLM's name) that a preempted sequence's KV
-is swapped into instead of being dropped and recomputed, where the copy out and back costs less than the recompute.
+"""KV blocks in host memory (pinned on CUDA; `kv_offloading_size` GiB, vLLM's name), for two uses:
+- swap preemption: a preempted sequence's KV is copied here and back instead of being dropped and recomputed,
+  where the copy out and back costs less than the recompute;
+- a second tier of the prefix cache: a cached block that the device evicts keeps its KV here (least recently
+  used first out), and a later prompt with that prefix loads it instead of recomputing it.
 Copies move whole blocks across every layer with torch index copies (the twin of an sgDMA path to come)."""
 import time
+from collections import OrderedDict
 
 import torch
 
 from nanovllm.logger import logger
 
 
-class SwapSpace:
+class HostKVPool:
+    """Blocks held by swapped sequences are theirs until they resume; the others are free or hold cached prefix
+    blocks, which give way (least recently used first) when a block is needed."""
+
     def __init__(self, kv_cache: torch.Tensor, num_blocks: int, flops_per_token: float):
         """kv_cache: the device cache [2, layers, blocks, block_size, kv_heads, head_dim]; flops_per_token: what
         recomputing one token of KV costs (the model's forward)."""
@@ -16,6 +23,7 @@ class SwapSpace:
         self.pool = torch.empty((*kv_cache.shape[:2], num_blocks, *kv_cache.shape[3:]), dtype=kv_cache.dtype,
                                 pin_memory=kv_cache.is_cuda)
         self.free_blocks = list(range(num_blocks))
+        self.cached: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # hash -> (block, its tokens)
         self.block_bytes = self.pool[:, :, 0].numel() * self.pool.element_size()
         self.block_size = kv_cache.shape[3]
         self.bandwidth, self.flops = self._measure(kv_cache.device)
@@ -42,7 +50,14 @@ class SwapSpace:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks no swapped sequence holds (free, or holding a cached prefix block)."""
+        return len(self.free_blocks) + len(self.cached)
+
+    def _take_block(self) -> int:
+        if not self.free_blocks:
+            _, (block, _) = self.cached.popitem(last=False)
+            return block
+        return self.free_blocks.pop()
 
     def swap_beats_recompute(self, num_blocks: int, num_tokens: int) -> bool:
         """Whether copying num_blocks out and back costs less than recomputing num_tokens of KV; the first choice
@@ -59,9 +74,9 @@ class SwapSpace:
 
     def swap_out(self, device_blocks: list[int]) -> list[int] | None:
         """Copy these device blocks into free pool blocks and return those, or None where the pool lacks room."""
-        if len(device_blocks) > len(self.free_blocks):
+        if len(device_blocks) > self.num_free_blocks:
             return None
-        pool_blocks = [self.free_blocks.pop() for _ in device_blocks]
+        pool_blocks = [self._take_block() for _ in device_blocks]
         self._copy_out(device_blocks, pool_blocks)
         return pool_blocks
 
@@ -72,6 +87,33 @@ class SwapSpace:
 
     def release(self, pool_blocks: list[int]):
         self.free_blocks.extend(pool_blocks)
+
+    def store_prefix(self, block_hash: int, token_ids: tuple[int, ...], device_block: int):
+        """Keep the KV of a prefix-cache block that the device is about to reuse (nothing where swapped sequences
+        hold every block)."""
+        if block_hash in self.cached:
+            self.cached.move_to_end(block_hash)
+        elif self.num_free_blocks:
+            block = self._take_block()
+            self._copy_out([device_block], [block])
+            self.cached[block_hash] = (block, token_ids)
+
+    def find_prefix(self, block_hash: int, token_ids: tuple[int, ...]) -> bool:
+        entry = self.cached.get(block_hash)
+        return entry is not None and entry[1] == token_ids
+
+    def checkout(self, block_hashes: list[int]) -> list[tuple[int, tuple[int, tuple[int, ...]]]]:
+        """Take cached prefix blocks out of the eviction order until load_prefix puts them back."""
+        return [(h, self.cached.pop(h)) for h in block_hashes]
+
+    def load_prefix(self, held: list[tuple[int, tuple[int, tuple[int, ...]]]], device_blocks: list[int]):
+        """Copy checked-out prefix blocks into device blocks; they stay cached here, now the most recently used."""
+        self._copy_in([block for _, (block, _) in held], device_blocks)
+        self.cached.update(held)
+
+    def reset_prefix_cache(self):
+        self.free_blocks.extend(block for block, _ in self.cached.values())
+        self.cached.clear()
 
 
 def _seconds(fn, device: torch.device) -> float:

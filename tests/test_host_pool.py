@@ -1,6 +1,7 @@
-"""Swap preemption (kv_offloading_size): a preempted sequence's KV copied to host blocks and back gives the tokens
-that recomputing it gives, the swap-or-recompute choice follows the measured costs, and no block of either tier
-leaks through preemption, abort or completion."""
+"""The host KV pool (kv_offloading_size). Swap preemption: a preempted sequence's KV copied to host blocks and back
+gives the tokens that recomputing it gives, and the swap-or-recompute choice follows the measured costs. Prefix
+cache: a block the device evicts keeps its KV in the pool, and a prompt that starts with it loads it back. No block
+of either tier leaks through preemption, abort or completion."""
 import random
 
 import pytest
@@ -17,8 +18,8 @@ def engine(tiny_model_dir, **kw) -> LLM:
     copy is made cheap, so that swapping never hangs on timings of a busy machine (the choice has its own test)."""
     llm = LLM(tiny_model_dir("tiny-llama"), device="cpu", max_model_len=128, num_gpu_blocks_override=12,
               block_size=16, **kw)
-    if llm.llm_engine.scheduler.swap_space is not None:
-        llm.llm_engine.scheduler.swap_space.bandwidth = 1e12
+    if llm.llm_engine.scheduler.host_pool is not None:
+        llm.llm_engine.scheduler.host_pool.bandwidth = 1e12
     return llm
 
 
@@ -38,12 +39,13 @@ def test_swap_gives_the_tokens_of_recompute(tiny_model_dir):
 
 def test_recompute_where_the_copy_costs_more_or_the_pool_is_full(tiny_model_dir):
     llm = engine(tiny_model_dir, kv_offloading_size=0.01)
-    space = llm.llm_engine.scheduler.swap_space
+    space = llm.llm_engine.scheduler.host_pool
     assert space.swap_beats_recompute(1, 1000) and not space.swap_beats_recompute(1000, 1)
     want = greedy(engine(tiny_model_dir))
     space.bandwidth = 1.0  # a copy dearer than any recompute
     assert greedy(llm) == want and llm.llm_engine.scheduler.num_swaps == 0
     space.bandwidth = 1e12
+    space.cached.clear()
     del space.free_blocks[1:]  # one host block: too few for any preempted sequence
     assert greedy(llm) == want and llm.llm_engine.scheduler.num_swaps == 0
 
@@ -66,6 +68,24 @@ def test_no_block_leaks_through_random_aborts(tiny_model_dir):
     assert eng.scheduler.num_swaps > 0
 
 
+def test_a_prefix_evicted_from_the_device_is_loaded_from_the_pool(tiny_model_dir):
+    shared = {"prompt_token_ids": list(range(100, 180))}  # 5 blocks, 4 of them reusable (the last token computes)
+    others = [{"prompt_token_ids": list(range(200 + 50 * i, 250 + 50 * i))} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for size in (None, 0.01):
+        llm = engine(tiny_model_dir, kv_offloading_size=size)
+        first = llm.generate(shared, params, use_tqdm=False)[0]
+        llm.generate(others, params, use_tqdm=False)  # 12 device blocks: the shared prefix is evicted
+        again = llm.generate(shared, params, use_tqdm=False)[0]
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        outputs[size] = (again.num_cached_tokens, llm.llm_engine.block_manager.num_host_hit_blocks)
+        assert_no_leaks(llm)
+    assert outputs[None] == (0, 0)  # without the pool the prefix is recomputed
+    assert outputs[0.01] == (64, 4)
+    assert llm.reset_prefix_cache() and not llm.llm_engine.scheduler.host_pool.cached
+
+
 @pytest.mark.slow
 def test_smollm2_swaps_as_it_recomputes(smollm2_path):
     """The real model, fp32 on CPU: 10 answers of ~64 tokens each on 24 blocks of 16 tokens."""
@@ -76,7 +96,7 @@ def test_smollm2_swaps_as_it_recomputes(smollm2_path):
         llm = LLM(smollm2_path, device="cpu", max_model_len=256, num_gpu_blocks_override=24, block_size=16,
                   kv_offloading_size=size)
         if size is not None:
-            llm.llm_engine.scheduler.swap_space.bandwidth = 1e12
+            llm.llm_engine.scheduler.host_pool.bandwidth = 1e12
         runs[size] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.llm_engine.scheduler.num_preemptions > 0
         assert_no_leaks(llm)
