@@ -45,8 +45,7 @@ class LLMEngine:
         self.model_runner = ModelRunner(config, set(self.eos_token_ids))
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.host_pool)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.model_runner.host_pool)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self._seed_rng = np.random.default_rng(config.seed)
         self._arrival = count()

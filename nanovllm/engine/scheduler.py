@@ -2,19 +2,16 @@ from collections import deque
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.kvcache.host_pool import HostKVPool
 
 
 class Scheduler:
     """Each step: running sequences first (one decode token, or the next chunk of a long prompt), then
     waiting ones while the token budget and free blocks last. When blocks run out, the newest running
-    sequence is preempted and goes back to the head of the queue: its KV dropped, to be recomputed, or, with a
-    swap space where the copy is cheaper, copied to host memory and back when it resumes."""
+    sequence is preempted and goes back to the head of the queue: its KV dropped, to be recomputed, or, with the
+    block manager's host pool where the copy is cheaper, copied to host memory and back when it resumes."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 host_pool: HostKVPool | None = None):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.block_manager = block_manager
-        self.host_pool = host_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -95,6 +92,10 @@ class Scheduler:
             if one:
                 seq.append_placeholder()
         return self.schedule()
+
+    @property
+    def host_pool(self):
+        return self.block_manager.host_pool
 
     def _preempt(self, seq: Sequence):
         computed_blocks = seq.block_table[:-(-seq.num_computed_tokens // self.block_manager.block_size)]
