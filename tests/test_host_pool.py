@@ -5,10 +5,12 @@ of either tier leaks through preemption, abort or completion."""
 import random
 
 import pytest
+import torch
 from conftest import assert_no_leaks
 
 from nanovllm import LLM, SamplingParams
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CUDA the pool is pinned and copies cross the link
 PROMPTS = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(6)]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
@@ -16,7 +18,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 def engine(tiny_model_dir, **kw) -> LLM:
     """12 device blocks of 16 tokens for 6 sequences of up to 95 tokens: preemptions are certain. A swap space's
     copy is made cheap, so that swapping never hangs on timings of a busy machine (the choice has its own test)."""
-    llm = LLM(tiny_model_dir("tiny-llama"), device="cpu", max_model_len=128, num_gpu_blocks_override=12,
+    llm = LLM(tiny_model_dir("tiny-llama"), device=DEVICE, max_model_len=128, num_gpu_blocks_override=12,
               block_size=16, **kw)
     if llm.llm_engine.scheduler.host_pool is not None:
         llm.llm_engine.scheduler.host_pool.bandwidth = 1e12
@@ -88,12 +90,12 @@ def test_a_prefix_evicted_from_the_device_is_loaded_from_the_pool(tiny_model_dir
 
 @pytest.mark.slow
 def test_smollm2_swaps_as_it_recomputes(smollm2_path):
-    """The real model, fp32 on CPU: 10 answers of ~64 tokens each on 24 blocks of 16 tokens."""
+    """The real model (fp32 on CPU): 10 answers of ~64 tokens each on 24 blocks of 16 tokens."""
     prompts = [f"Question {i}: name a city in Europe and say why people visit it." for i in range(10)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     runs = {}
     for size in (None, 0.05):
-        llm = LLM(smollm2_path, device="cpu", max_model_len=256, num_gpu_blocks_override=24, block_size=16,
+        llm = LLM(smollm2_path, device=DEVICE, max_model_len=256, num_gpu_blocks_override=24, block_size=16,
                   kv_offloading_size=size)
         if size is not None:
             llm.llm_engine.scheduler.host_pool.bandwidth = 1e12
