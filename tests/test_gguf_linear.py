@@ -49,7 +49,8 @@ def test_cpu_layer_matches_the_dequantized_weight(types, pieces, rows):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("types", [("Q4_0", "Q4_1", "Q8_0"), ("Q4_K",) * 3, ("Q8_0", "Q4_K", "Q4_K")])
+@pytest.mark.parametrize("types", [("Q4_0", "Q4_1", "Q8_0"), ("Q4_K",) * 3, ("Q8_0", "Q4_K", "Q4_K"),
+                                   ("Q5_K",) * 3])
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 100, 300])
 def test_cuda_layer_matches_the_dequantized_weight(types, rows):
     layer, dense, path = qkv_layer(types, "cuda", torch.float16)
@@ -95,7 +96,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q5_K", "Q8_0"])
 def test_cuda_model_kept_quantized(tmp_path, donor, type_name):
     """CUDA graphs replay what eager steps compute; the greedy tokens agree with the dequantized model (reported:
     random weights make near ties, fp16 sums in another order may break them)."""

@@ -2,10 +2,11 @@
 (quant.gguf_weight.GGUFWeight): each program owns BLOCK_N rows of W and BLOCK_M rows of x, reads each of their
 weight bytes once, dequantizes a tile of blocks in registers as the torch twin does (the same f32 products, then the
 activations' dtype) and multiplies it on the tensor cores with x padded to BLOCK_M rows. Reference:
-F.linear(x, weight.dequantize()). Q4_0, Q4_1, Q8_0, Q4_K and INT4_G128 (the int4 of quantization="int4", read as
-Q4_1 in groups of 128) so far (KERNEL_TYPES). With DEQUANT the same kernels write the dense weight instead
-(gguf_dequantize), for cuBLAS past MAX_ROWS rows. quant/gguf_linear.py picks among them and the CUDA one-row kernel
-(docs/benchmarks.md: their bandwidth)."""
+F.linear(x, weight.dequantize()). Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and INT4_G128 (the int4 of quantization="int4", read
+as Q4_1 in groups of 128) so far (KERNEL_TYPES); Q5_0/1 and Q6_K ran at 3-6% of HBM bandwidth in this form and are
+dequantized at load instead. With DEQUANT the same kernels write the dense weight instead (gguf_dequantize), for
+cuBLAS past MAX_ROWS rows. quant/gguf_linear.py picks among them and the CUDA one-row kernel (docs/benchmarks.md:
+their bandwidth)."""
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +30,7 @@ def launch_config(m: int) -> dict:
     return dict(block_m=128, block_n=64, blocks=4, num_warps=8)
 # types of one scale a block, by their kernel's TYPE constexpr and weights a block
 _SMALL_BLOCKS = {"Q4_0": (0, 32), "Q4_1": (1, 32), "Q8_0": (2, 32), "INT4_G128": (1, 128)}
-KERNEL_TYPES = (*_SMALL_BLOCKS, "Q4_K")
+KERNEL_TYPES = (*_SMALL_BLOCKS, "Q4_K", "Q5_K")
 
 
 @triton.jit
@@ -137,12 +138,14 @@ def _per_weight(v, BLOCK_N: tl.constexpr, NB: tl.constexpr, GROUPS: tl.constexpr
 
 
 @triton.jit
-def _gemv_q4_k_kernel(x_ptr, d_ptr, dmin_ptr, scales_ptr, q_ptr, y_ptr, M, N, NUM_BLOCKS, stride_xm, stride_d,
-                      stride_scales, stride_q, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      NB: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, DEQUANT: tl.constexpr):
-    """Q4_K: d * scale * q - dmin * min in 8 sub-blocks of 32, NB super-blocks of 256 weights a step. Its
+def _gemv_q4_k_kernel(x_ptr, d_ptr, dmin_ptr, scales_ptr, q_ptr, qh_ptr, y_ptr, M, N, NUM_BLOCKS, stride_xm, stride_d,
+                      stride_scales, stride_q, stride_qh, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      NB: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, DEQUANT: tl.constexpr,
+                      Q5: tl.constexpr):
+    """Q4_K: d * scale * q - dmin * min in 8 sub-blocks of 32, NB super-blocks of 256 weights a step (_launch
+    passes 1: two ran 8x slower on the H100, dequantizing at 0.3 TB/s against 2.6, and at 8-9% of HBM at 16 rows). Its
     128 quant bytes a super-block are read as one contiguous tile: byte 32c + i holds weight 64c + i in its low nibble
-    and 64c + 32 + i in its high nibble."""
+    and 64c + 32 + i in its high nibble. Q5 (Q5_K): their fifth bits are bits 2c and 2c + 1 of qh byte i."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -167,9 +170,16 @@ def _gemv_q4_k_kernel(x_ptr, d_ptr, dmin_ptr, scales_ptr, q_ptr, y_ptr, M, N, NU
         sub = tl.arange(0, 4) * 2  # the sub-blocks of the low nibbles; the high nibbles' are sub + 1
         sc_first, mn_first = _q4_k_scales(scale_ptr, sub)
         sc_second, mn_second = _q4_k_scales(scale_ptr, sub + 1)
-        w_first = (_per_weight(d[:, :, None] * sc_first, BLOCK_N, NB, 4, 32) * (q & 15).to(tl.float32)
+        q_first, q_second = q & 15, q >> 4
+        if Q5:
+            qh = tl.load(qh_ptr + cols64[:, None] * stride_qh + (b0 * 32 + sb * 32 + v % 32)[None, :], mask=u_mask,
+                         other=0)
+            shift = (v // 32) * 2
+            q_first = q_first | (((qh >> shift[None, :]) & 1) << 4)
+            q_second = q_second | (((qh >> (shift + 1)[None, :]) & 1) << 4)
+        w_first = (_per_weight(d[:, :, None] * sc_first, BLOCK_N, NB, 4, 32) * q_first.to(tl.float32)
                    - _per_weight(dmin[:, :, None] * mn_first, BLOCK_N, NB, 4, 32))
-        w_second = (_per_weight(d[:, :, None] * sc_second, BLOCK_N, NB, 4, 32) * (q >> 4).to(tl.float32)
+        w_second = (_per_weight(d[:, :, None] * sc_second, BLOCK_N, NB, 4, 32) * q_second.to(tl.float32)
                     - _per_weight(dmin[:, :, None] * mn_second, BLOCK_N, NB, 4, 32))
         acc = _use(acc, w_first, b0 * 256 + first, u_ok, x_ptr, rows, row_ok, stride_xm, y_ptr, cols64, col_ok,
                    stride_ym, PRECISION, DEQUANT)
@@ -189,10 +199,16 @@ def gguf_gemv(x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor | None = No
     return y
 
 
-def gguf_dequantize(weight: GGUFWeight, dtype: torch.dtype, block_n: int = 16, blocks: int = 16) -> torch.Tensor:
+# (blocks, num_warps) of the dequantize kernel a type, the best of a sweep at 14336 x 4096 on the H100: 2.5-2.6 TB/s
+# read and written for each
+DEQUANT_LAUNCH = {"Q4_0": (16, 4), "INT4_G128": (16, 8), "Q8_0": (8, 8), "Q4_K": (8, 4)}
+
+
+def gguf_dequantize(weight: GGUFWeight, dtype: torch.dtype) -> torch.Tensor:
     """The dense [N, K] weight in dtype: the same values the GEMV multiplies (its twin: weight.dequantize())."""
     w = torch.empty(weight.shape, dtype=dtype, device=weight.fields["d"].device)
-    _launch(w, weight, w, 0, dequant=True, block_m=16, block_n=block_n, blocks=blocks, num_warps=4)
+    blocks, num_warps = DEQUANT_LAUNCH.get(weight.type_name, (16, 4))
+    _launch(w, weight, w, 0, dequant=True, block_m=16, block_n=16, blocks=blocks, num_warps=num_warps)
     return w
 
 
@@ -211,6 +227,8 @@ def _launch(x, weight: GGUFWeight, y, m: int, dequant: bool, block_m: int, block
             x, f["d"], f.get("m", f["d"]), f["qs"], y, m, n, k // group, x.stride(0), f["d"].stride(0),
             f["qs"].stride(0), y.stride(0), TYPE=type_id, GROUP=group, NB=max(1, blocks * 32 // group), **common)
     else:
+        qh = f.get("qh", f["d"])  # Q5_K's fifth bits
         _gemv_q4_k_kernel[grid](
-            x, f["d"], f["dmin"], f["scales"], f["qs"], y, m, n, k // 256, x.stride(0), f["d"].stride(0),
-            f["scales"].stride(0), f["qs"].stride(0), y.stride(0), NB=max(1, blocks // 8), **common)
+            x, f["d"], f["dmin"], f["scales"], f["qs"], qh, y, m, n, k // 256, x.stride(0), f["d"].stride(0),
+            f["scales"].stride(0), f["qs"].stride(0), qh.stride(0), y.stride(0), NB=1, Q5=weight.type_name == "Q5_K",
+            **common)
