@@ -228,6 +228,8 @@ def _launch(x, weight: GGUFWeight, y, m: int, dequant: bool, block_m: int, block
             f["qs"].stride(0), y.stride(0), TYPE=type_id, GROUP=group, NB=max(1, blocks * 32 // group), **common)
     else:
         qh = f.get("qh", f["d"])  # Q5_K's fifth bits
+        if weight.type_name == "Q5_K":  # three stages of its 128 x 64 tile ask for 240 KB of shared memory
+            common["num_stages"] = 2
         _gemv_q4_k_kernel[grid](
             x, f["d"], f["dmin"], f["scales"], f["qs"], qh, y, m, n, k // 256, x.stride(0), f["d"].stride(0),
             f["scales"].stride(0), f["qs"].stride(0), qh.stride(0), y.stride(0), NB=1, Q5=weight.type_name == "Q5_K",
