@@ -8,7 +8,7 @@ import torch
 from nanovllm.kernels import cuda_library
 
 SOURCES = {"gemv_one_row": "nanovllm_gemv_one_row", "gguf_gemv_one_row": "nanovllm_gguf_gemv_one_row",
-           "paged_decode_cluster": "nanovllm_paged_decode_cluster"}
+           "paged_decode_cluster": "nanovllm_paged_decode_cluster", "sgdma": "nanovllm_sgdma"}
 
 
 @pytest.mark.skipif(cuda_library.nvcc() is None, reason="no nvcc on this machine")

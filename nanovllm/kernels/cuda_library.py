@@ -49,12 +49,14 @@ def _build(name: str, compiler: str) -> ctypes.CDLL:
     return library
 
 
-def why_unavailable(name: str, device: torch.device, switch: str) -> str | None:
+def why_unavailable(name: str, device: torch.device, switch: str, hopper: bool = True) -> str | None:
     """None when csrc/<name>.cu is built (now, if it was not) and can run on `device`, else why not. switch: the
-    environment variable that turns the kernel off when 0."""
+    environment variable that turns the kernel off when 0; hopper: whether it needs sm_90 (host-only code does not)."""
     if os.environ.get(switch, "1") == "0":
         return f"{switch}=0"
-    if (reason := pdl.not_hopper(device)) is not None:
+    if device.type != "cuda":
+        return "no CUDA GPU"
+    if hopper and (reason := pdl.not_hopper(device)) is not None:
         return reason
     if not (CSRC / f"{name}.cu").exists():
         return f"{CSRC / name}.cu is missing"
@@ -70,12 +72,12 @@ def why_unavailable(name: str, device: torch.device, switch: str) -> str | None:
 
 
 def entry_point(name: str, device: torch.device, switch: str, argtypes: list, on: str | None = None,
-                off: str | None = None) -> str | None:
+                off: str | None = None, hopper: bool = True) -> str | None:
     """why_unavailable(), once per kernel and device; where the kernel runs, its entry point nanovllm_<name> is typed
     (returns a cudaError_t; argtypes). On CUDA the path is logged once when given: `on`, or `off` with {reason}."""
     key = (name, str(device))
     if key not in _entry_reasons:
-        _entry_reasons[key] = reason = why_unavailable(name, device, switch)
+        _entry_reasons[key] = reason = why_unavailable(name, device, switch, hopper)
         if reason is None:
             entry = getattr(_libraries[name], f"nanovllm_{name}")
             entry.restype, entry.argtypes = ctypes.c_int, argtypes

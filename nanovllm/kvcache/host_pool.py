@@ -3,12 +3,13 @@
   where the copy out and back costs less than the recompute;
 - a second tier of the prefix cache: a cached block that the device evicts keeps its KV here (least recently
   used first out), and a later prompt with that prefix loads it instead of recomputing it.
-Copies move whole blocks across every layer with torch index copies (the twin of an sgDMA path to come)."""
+Copies move whole blocks across every layer by sgDMA (comm/sgdma.py), queued on the current stream."""
 import time
 from collections import OrderedDict
 
 import torch
 
+from nanovllm.comm.sgdma import copy_blocks
 from nanovllm.logger import logger
 
 
@@ -41,12 +42,10 @@ class HostKVPool:
         return 2 * len(blocks) * self.block_bytes / copy, 2 * 512 * 512 * 2048 / matmul
 
     def _copy_out(self, device_blocks: list[int], pool_blocks: list[int]):
-        index = torch.tensor(device_blocks, device=self.kv_cache.device)
-        self.pool[:, :, pool_blocks] = self.kv_cache[:, :, index].cpu()
+        copy_blocks(self.kv_cache, self.pool, device_blocks, pool_blocks)
 
     def _copy_in(self, pool_blocks: list[int], device_blocks: list[int]):
-        index = torch.tensor(device_blocks, device=self.kv_cache.device)
-        self.kv_cache[:, :, index] = self.pool[:, :, pool_blocks].to(self.kv_cache.device, non_blocking=True)
+        copy_blocks(self.pool, self.kv_cache, pool_blocks, device_blocks)
 
     @property
     def num_free_blocks(self) -> int:
