@@ -50,3 +50,11 @@ def test_sgdma_matches_the_torch_copy_byte_for_byte(to_host, src_blocks, dst_blo
     torch.cuda.synchronize()
     assert torch.equal(dst.view(torch.int16).cpu(), want.view(torch.int16).cpu())
     assert torch.equal(dst.cpu(), per_block(src.cpu(), cache(12, seed=2), src_blocks, dst_blocks))
+
+
+def test_row_pitch_of_a_cache_and_of_one_layer():
+    full = cache(10)
+    size = full.element_size()
+    assert sgdma._row_pitch(full) == full.stride(1) * size == 10 * full[0, 0, 0].numel() * size
+    assert sgdma._row_pitch(full[:, 1:2]) == full.stride(0) * size  # K then V of layer 1
+    assert sgdma._row_pitch(full[:, ::2]) is None  # layers 0 and 2: two pitches

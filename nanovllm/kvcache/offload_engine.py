@@ -1,0 +1,65 @@
+"""Attention over KV blocks held in the host pool (kvcache/host_pool.py), streamed through a ring of GPU slots.
+
+Each slot holds `slot_blocks` blocks of one layer (K and V). For a sequence whose context blocks are in the pool,
+attend() loads them a slot at a time and attends to each slot as it lands, so that slots k+1.. load while slot k is
+attended to, and merges the parts by their log-sum-exp (attention/merge.py). On CUDA each slot has its own transfer
+stream and two events: "loaded" (the compute stream waits on it before attending) and "consumed" (the transfer stream
+waits on it before it overwrites the slot); copies go by sgDMA. On CPU the slots are host tensors and the copies run
+in order: the same code and bookkeeping, tested in CI.
+
+Not wired into the engine yet: the block manager does not yet hand running sequences host-resident blocks."""
+import torch
+
+from nanovllm.attention.merge import attention_with_lse, merge_attention_states
+from nanovllm.comm.sgdma import copy_blocks
+
+
+class OffloadEngine:
+
+    def __init__(self, pool: torch.Tensor, num_slots: int, slot_blocks: int, device: torch.device):
+        """pool: the host KV blocks [2, layers, blocks, block_size, kv_heads, head_dim]."""
+        if num_slots < 1 or slot_blocks < 1:
+            raise ValueError(f"an offload ring needs at least one slot of one block, not {num_slots} x {slot_blocks}")
+        self.pool, self.num_slots, self.slot_blocks = pool, num_slots, slot_blocks
+        self.block_size = pool.shape[3]
+        self.slots = torch.empty((num_slots, 2, 1, slot_blocks, *pool.shape[3:]), dtype=pool.dtype, device=device)
+        self.streams = self.loaded = self.consumed = None
+        if device.type == "cuda":
+            self.streams = [torch.cuda.Stream(device) for _ in range(num_slots)]
+            self.loaded = [torch.cuda.Event() for _ in range(num_slots)]
+            self.consumed = [torch.cuda.Event() for _ in range(num_slots)]
+
+    def _load(self, slot: int, layer: int, blocks: list[int]):
+        """Pool blocks of one layer into a slot, once the slot's last part has been attended to."""
+        source, target = self.pool[:, layer:layer + 1], self.slots[slot]
+        if self.streams is None:
+            copy_blocks(source, target, blocks, list(range(len(blocks))))
+            return
+        stream = self.streams[slot]
+        stream.wait_event(self.consumed[slot])
+        with torch.cuda.stream(stream):
+            copy_blocks(source, target, blocks, list(range(len(blocks))))
+            self.loaded[slot].record(stream)
+
+    def attend(self, layer: int, q: torch.Tensor, blocks: list[int], length: int, scale: float):
+        """q [Lq, H, D] against the first `length` tokens held in pool blocks `blocks` of this layer, every token
+        visible to every query -> (out [Lq, H, D], lse [Lq, H]) in fp32, to merge with the GPU-resident part."""
+        if length <= 0 or -(-length // self.block_size) != len(blocks):
+            raise ValueError(f"{length} tokens are not held by {len(blocks)} blocks of {self.block_size}")
+        parts = [blocks[i:i + self.slot_blocks] for i in range(0, len(blocks), self.slot_blocks)]
+        for j in range(min(self.num_slots, len(parts))):
+            self._load(j, layer, parts[j])
+        out = lse = None
+        for j, part in enumerate(parts):
+            slot = j % self.num_slots
+            if self.streams is not None:
+                torch.cuda.current_stream().wait_event(self.loaded[slot])
+            tokens = min(length - j * self.slot_blocks * self.block_size, len(part) * self.block_size)
+            k, v = (self.slots[slot, kv, 0, :len(part)].flatten(0, 1)[:tokens] for kv in (0, 1))
+            part_out, part_lse = attention_with_lse(q, k, v, scale)
+            if self.streams is not None:
+                self.consumed[slot].record()
+            out, lse = (part_out, part_lse) if out is None else merge_attention_states(out, lse, part_out, part_lse)
+            if j + self.num_slots < len(parts):
+                self._load(slot, layer, parts[j + self.num_slots])
+        return out, lse

@@ -1,0 +1,68 @@
+"""Attention over KV blocks in the host pool, streamed through a ring of slots (kvcache/offload_engine.py), against
+one attention over the whole gathered context; the log-sum-exp merge (attention/merge.py) against unsplit attention
+and torch's scaled_dot_product_attention. On CPU the ring is host tensors; on CUDA (gpu) streams, events and sgDMA."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanovllm.attention.merge import attention_with_lse, merge_attention_states
+from nanovllm.kvcache.offload_engine import OffloadEngine
+
+LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM = 3, 24, 4, 2, 4, 8
+SCALE = HEAD_DIM ** -0.5
+
+
+def pool(device="cpu") -> torch.Tensor:
+    values = torch.randn(2, LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(0))
+    return values.pin_memory() if device == "cuda" else values
+
+
+def query(n: int) -> torch.Tensor:
+    return torch.randn(n, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+
+
+def test_attention_with_lse_is_sdpa():
+    q, k, v = query(3), torch.randn(10, KV_HEADS, HEAD_DIM), torch.randn(10, KV_HEADS, HEAD_DIM)
+    out, lse = attention_with_lse(q, k, v, SCALE)
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=SCALE,
+                                          enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    scores = torch.einsum("qhd,khd->qhk", q, k.repeat_interleave(HEADS // KV_HEADS, 1)) * SCALE
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1))
+
+
+@pytest.mark.parametrize("split", [1, 5, 9])
+def test_merged_parts_are_the_whole(split):
+    q, k, v = query(2), torch.randn(10, KV_HEADS, HEAD_DIM), torch.randn(10, KV_HEADS, HEAD_DIM)
+    first, second = attention_with_lse(q, k[:split], v[:split], SCALE), attention_with_lse(q, k[split:], v[split:], SCALE)
+    for got, want in zip(merge_attention_states(*first, *second), attention_with_lse(q, k, v, SCALE)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def gathered(pool_: torch.Tensor, layer: int, blocks: list[int], length: int):
+    return [pool_[kv, layer, blocks].flatten(0, 1)[:length] for kv in (0, 1)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("num_slots,slot_blocks", [(1, 1), (2, 1), (3, 2), (2, 8)])
+@pytest.mark.parametrize("length", [1, 13, 37])
+def test_ring_attention_is_attention_over_the_gathered_context(device, num_slots, slot_blocks, length):
+    host = pool(device)
+    engine = OffloadEngine(host, num_slots, slot_blocks, torch.device(device))
+    blocks = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(length))[:-(-length // BLOCK_SIZE)].tolist()
+    for layer in range(LAYERS):
+        q = query(3).to(device)
+        out, lse = engine.attend(layer, q, blocks, length, SCALE)
+        k, v = gathered(host, layer, blocks, length)
+        want_out, want_lse = attention_with_lse(q.cpu(), k, v, SCALE)
+        torch.testing.assert_close(out.cpu(), want_out, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse.cpu(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_ring_or_lengths_name_the_problem():
+    with pytest.raises(ValueError, match="at least one slot of one block"):
+        OffloadEngine(pool(), 0, 1, torch.device("cpu"))
+    engine = OffloadEngine(pool(), 2, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="9 tokens are not held by 2 blocks of 4"):
+        engine.attend(0, query(1), [0, 1], 9, SCALE)
