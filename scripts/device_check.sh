@@ -1,9 +1,9 @@
 #!/bin/bash
 # One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
 #   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv]
-# `tests` is tests1 then tests2; together they take longer than one 10-minute device call (with flash_attn
-# importable, ~190 tests ran in 540 s), so a call runs one of them. tests2 alone is ~8-9 minutes (142 of
-# test_triton_kernels.py's 240 tests ran in 300 s).
+# Slow tests (the bundled model, which the device cannot fetch) are left out. `tests` is tests1 then tests2;
+# together they take longer than one 10-minute device call (with flash_attn importable, ~190 tests ran in 540 s), so
+# a call runs one of them. tests2 alone is ~8-9 minutes (142 of test_triton_kernels.py's 240 tests ran in 300 s).
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:-}:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,12 +16,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 gpu_tests() {  # log name, test files
   local name=$1; shift
-  python3 -m pytest -q -s -p no:cacheprovider --durations=15 "$@" 2>&1 \
+  python3 -m pytest -q -s -p no:cacheprovider --durations=15 -m "not slow" "$@" 2>&1 \
     | grep -v "Loading weights" | tee "$OUT/gpu_$name.log" | tail -25
 }
 if [[ $what == tests || $what == tests1 || $what == all ]]; then  # the engine and the CUDA kernels
   gpu_tests tests1 tests/test_gpu.py tests/test_flash_attn_backend.py tests/test_gemv_one_row.py \
-    tests/test_paged_decode_cluster.py tests/test_cuda_library.py tests/test_engine_args.py
+    tests/test_paged_decode_cluster.py tests/test_cuda_library.py tests/test_engine_args.py tests/test_host_pool.py \
+    tests/test_sgdma.py tests/test_offload_engine.py
 fi
 if [[ $what == tests || $what == tests2 || $what == all ]]; then  # the Triton kernels and layers
   gpu_tests tests2 tests/test_triton_kernels.py tests/test_layers.py tests/test_gguf_gemv.py tests/test_gguf_linear.py \

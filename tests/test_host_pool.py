@@ -114,3 +114,26 @@ def test_smollm2_swaps_as_it_recomputes(smollm2_path):
 def test_bad_offloading_settings_name_the_problem(tiny_model_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         engine(tiny_model_dir, **kwargs)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_context_beyond_the_device_blocks_runs_offloaded(tiny_model_dir, prefix_caching):
+    """6 device blocks of 16 tokens (96) for prompts of 150-300 tokens: each sequence's leading blocks move to the
+    host pool and are attended to from there; the greedy tokens are those of a device that holds everything."""
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 500 + 3 for j in range(n)]} for i, n in enumerate((300, 150, 220))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    kw = dict(device=DEVICE, max_model_len=512, block_size=16, enable_prefix_caching=prefix_caching)
+    runs = {}
+    for blocks, size in ((64, None), (6, 0.01)):
+        llm = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=blocks, kv_offloading_size=size, **kw)
+        runs[size] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.llm_engine.block_manager.num_offloaded_blocks >= 300 // 16 - 6
+    for got, want in zip(runs[0.01], runs[None]):
+        assert got.token_ids == want.token_ids
+        assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, rel=1e-4, abs=1e-4)
+    assert_no_leaks(llm)
+
+
+def test_without_a_host_pool_the_device_must_hold_max_model_len(tiny_model_dir):
+    with pytest.raises(ValueError, match="fewer than max_model_len=512"):
+        LLM(tiny_model_dir("tiny-llama"), device=DEVICE, max_model_len=512, block_size=16, num_gpu_blocks_override=6)

@@ -4,13 +4,16 @@ whole context. Plain torch, fp32: the twin of fused kernels to come."""
 import torch
 
 
-def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """q [Lq, H, D] against k, v [Lk, Hk, D], every key visible to every query (Hk divides H) -> (out [Lq, H, D],
-    lse [Lq, H]), both fp32."""
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       mask: torch.Tensor | None = None):
+    """q [Lq, H, D] against k, v [Lk, Hk, D] (Hk divides H); mask [Lq, Lk]: which keys each query sees (None: all;
+    each query must see one at least) -> (out [Lq, H, D], lse [Lq, H]), both fp32."""
     group = q.shape[1] // k.shape[1]
     keys = k.float().repeat_interleave(group, dim=1)
     values = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask[None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), values)
     return out, lse.transpose(0, 1)

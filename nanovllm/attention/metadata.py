@@ -24,6 +24,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] | None         # captured CUDA graph, whose backend reads only device tensors)
     prefill_tiles: torch.Tensor | None = None  # [2, n] int32 (kernels.paged_attention.prefill_tiles), steps with prefills
     scratch: dict = field(default_factory=dict)  # a backend's per-step values, computed at the first layer
+    offloaded: list[list[int]] | None = None  # per sequence, the host pool blocks of its leading KV (None: none)
 
     @property
     def num_seqs(self) -> int:

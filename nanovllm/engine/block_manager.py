@@ -56,6 +56,7 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.num_cache_hit_blocks = 0  # statistics: blocks reused through the prefix cache
         self.num_host_hit_blocks = 0  # of those, loaded from the host pool
+        self.num_offloaded_blocks = 0  # statistics: blocks of running sequences moved to the host pool
 
     @property
     def num_blocks(self) -> int:
@@ -132,9 +133,36 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
+    def offload(self, seq: Sequence, num_blocks: int) -> int:
+        """Move up to num_blocks of seq's leading device blocks to the host pool (its computed, full blocks that no
+        other sequence shares), freeing them on the device; block_table marks them -1. Returns how many moved."""
+        if self.host_pool is None:
+            return 0
+        first = len(seq.host_blocks)
+        last = first
+        while (last < min(seq.num_computed_tokens // self.block_size, first + num_blocks)
+               and self.blocks[seq.block_table[last]].ref_count == 1):
+            last += 1
+        device_blocks = seq.block_table[first:last]
+        pool_blocks = self.host_pool.swap_out(device_blocks) if device_blocks else None
+        if pool_blocks is None:
+            return 0
+        seq.host_blocks += pool_blocks
+        self.num_offloaded_blocks += len(pool_blocks)
+        for i, block_id in enumerate(device_blocks, start=first):
+            self.blocks[block_id].ref_count = 0
+            self.free_queue[block_id] = None
+            self.free_queue.move_to_end(block_id, last=False)  # its KV is in the pool: the first to be reused
+            seq.block_table[i] = -1
+        return len(device_blocks)
+
     def free(self, seq: Sequence):
         """Drop seq's references; its tail blocks become the first to be evicted."""
-        for block_id in reversed(seq.block_table):
+        offloaded = len(seq.host_blocks)
+        if offloaded:
+            self.host_pool.release(seq.host_blocks)
+            seq.host_blocks = []
+        for block_id in reversed(seq.block_table[offloaded:]):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -161,7 +189,7 @@ class BlockManager:
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
         hashes = self._full_block_hashes(seq)
-        for i in range(seq.num_registered_blocks, num_full):
+        for i in range(max(seq.num_registered_blocks, len(seq.host_blocks)), num_full):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is not None:  # a prefix hit, already registered
                 continue

@@ -12,6 +12,7 @@ from nanovllm.config import Config
 from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kvcache.host_pool import HostKVPool
+from nanovllm.kvcache.offload_engine import OFFLOAD_SLOT_TOKENS, OFFLOAD_SLOTS, OffloadEngine
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import LMHead
@@ -75,7 +76,7 @@ class SteadyDecode:
     def continues(self, seqs: list[Sequence]) -> bool:
         """seqs is this batch again, each with one new token (decodes come first: the last one tells)."""
         return (len(seqs) == len(self.seqs) and seqs[-1].num_scheduled_tokens == 1
-                and all(map(operator.is_, seqs, self.seqs)))
+                and all(map(operator.is_, seqs, self.seqs)) and not any(s.host_blocks for s in seqs))
 
     def new_blocks(self) -> list[tuple[int, int, int]]:
         """(row, column, block id) of every block table entry the device does not hold yet; now it will."""
@@ -287,14 +288,20 @@ class ModelRunner:
             num_blocks = CPU_KV_CACHE_BYTES // self.kv_bytes_per_block()
         else:
             num_blocks = self._profile_gpu_blocks()
-        capacity = num_blocks * self.block_size
+        host_blocks = self._num_host_blocks()
+        capacity = (num_blocks + host_blocks) * self.block_size
         max_len = cfg.model_config.max_model_len
-        if capacity < max_len:
+        if capacity < max_len or num_blocks < 2:
+            where = f" and {host_blocks} in host memory" if host_blocks else ""
             raise ValueError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {self.block_size}), fewer than "
-                f"max_model_len={max_len}: raise kv_cache_memory_bytes (CPU) or gpu_memory_utilization (GPU) "
-                f"or num_gpu_blocks_override, or lower max_model_len")
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {self.block_size}{where}), fewer than "
+                f"max_model_len={max_len} (or fewer than 2 device blocks): raise kv_cache_memory_bytes (CPU) or "
+                f"gpu_memory_utilization (GPU) or num_gpu_blocks_override or kv_offloading_size, or lower max_model_len")
         return num_blocks
+
+    def _num_host_blocks(self) -> int:
+        gib = self.config.kv_offloading_size
+        return 0 if gib is None else int(gib * (1 << 30)) // self.kv_bytes_per_block()
 
     def _profile_gpu_blocks(self) -> int:
         """Free memory after a forward at the largest batch, times gpu_memory_utilization (as vLLM)."""
@@ -356,11 +363,12 @@ class ModelRunner:
                     f"({self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 30):.2f} GiB on {self.device})")
 
     def _make_host_pool(self) -> HostKVPool | None:
-        """kv_offloading_size GiB of host blocks that preempted sequences swap their KV into (None: recompute)."""
+        """kv_offloading_size GiB of host blocks (None: none) for swapped, cached and offloaded KV, and the ring of
+        slots that attends to offloaded blocks."""
         gib = self.config.kv_offloading_size
         if gib is None:
             return None
-        num_blocks = int(gib * (1 << 30)) // self.kv_bytes_per_block()
+        num_blocks = self._num_host_blocks()
         if num_blocks < 1:
             raise ValueError(f"kv_offloading_size={gib} GiB holds no KV block ({self.kv_bytes_per_block()} bytes "
                              "each): raise it")
@@ -368,7 +376,12 @@ class ModelRunner:
         q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         layer_params = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
         host_pool = HostKVPool(self.kv_cache, num_blocks, 2 * c.num_hidden_layers * layer_params)
-        logger.info(f"KV swap space: {num_blocks} blocks in host memory ({gib:g} GiB)")
+        engine = OffloadEngine(host_pool.pool, OFFLOAD_SLOTS, max(1, OFFLOAD_SLOT_TOKENS // self.block_size),
+                               self.device)
+        for i, attn in enumerate(self.attention_layers):
+            attn.layer_index, attn.offload_engine = i, engine
+        logger.info(f"KV in host memory: {num_blocks} blocks ({gib:g} GiB); offloaded blocks are attended to "
+                    f"through {OFFLOAD_SLOTS} slots of {engine.slot_blocks} blocks")
         return host_pool
 
     # ---- one step -------------------------------------------------------------------------------
@@ -395,6 +408,7 @@ class ModelRunner:
         small = host[3 * n_pad:]
         tables = small[2 * b_pad:2 * b_pad + b * width].reshape(b, width)
         seq_lens = []
+        offloaded = [s.host_blocks for s in seqs] if any(s.host_blocks for s in seqs) else None
         for i, seq in enumerate(seqs):
             start, end, at = seq.num_computed_tokens, seq.num_computed_tokens + num_new[i], starts[i]
             table = seq.block_table
@@ -419,7 +433,8 @@ class ModelRunner:
             seq_lens=small[b_pad:b_pad + b], block_tables=small[2 * b_pad:2 * b_pad + b * width].view(b, width),
             num_decodes=num_new.count(1), max_query_len=max_query_len, max_seq_len=max(seq_lens),
             query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
-            prefill_tiles=small[2 * b_pad + b * width:].view(2, t_pad) if tiles is not None else None)
+            prefill_tiles=small[2 * b_pad + b * width:].view(2, t_pad) if tiles is not None else None,
+            offloaded=offloaded)
         return packed[:n], packed[n_pad:n_pad + n], meta
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingTensors:
@@ -486,7 +501,9 @@ class ModelRunner:
                 input_ids.index_copy_(0, rows[1], tokens[rows[0]])
         self.bytes_read += self.weight_bytes + sum(meta.seq_lens_cpu) * self.kv_bytes_per_token
         hidden = all_logits = None
-        if self.graphs is not None and meta.num_decodes == len(seqs) and self.graphs.can_run(len(seqs)):
+        if meta.offloaded is not None:  # attention over host blocks runs eagerly (kvcache/offload_engine.py)
+            hidden = self.model(input_ids, positions, meta)
+        elif self.graphs is not None and meta.num_decodes == len(seqs) and self.graphs.can_run(len(seqs)):
             all_logits = self.graphs.run(input_ids, positions, meta)
         elif self.prefill_graphs is not None and self.prefill_graphs.can_run(meta, input_ids.shape[0]):
             hidden = self.prefill_graphs.run(input_ids, positions, meta)

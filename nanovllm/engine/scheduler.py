@@ -8,7 +8,9 @@ class Scheduler:
     """Each step: running sequences first (one decode token, or the next chunk of a long prompt), then
     waiting ones while the token budget and free blocks last. When blocks run out, the newest running
     sequence is preempted and goes back to the head of the queue: its KV dropped, to be recomputed, or, with the
-    block manager's host pool where the copy is cheaper, copied to host memory and back when it resumes."""
+    block manager's host pool where the copy is cheaper, copied to host memory and back when it resumes. With a host
+    pool, the newest sequence itself is not preempted while it can move its own leading blocks there instead (KV
+    beyond the GPU: kvcache/offload_engine.py attends to them), and no chunk asks for more blocks than the GPU has."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.block_manager = block_manager
@@ -34,8 +36,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self._max_chunk)
             while not self.block_manager.allocate_slots(seq, num_new):
+                if i == len(self.running) - 1 and (fit := self._offload_for(seq, num_new)):
+                    num_new = fit
+                    continue
                 self._preempt(self.running.pop())
                 preempted = True
                 if i == len(self.running):  # seq itself was the newest
@@ -52,7 +57,8 @@ class Scheduler:
                     break
             else:
                 hits = self.block_manager.find_cached_blocks(seq)
-                num_new = min(seq.num_tokens - hits.num_blocks * self.block_manager.block_size, budget)
+                num_new = min(seq.num_tokens - hits.num_blocks * self.block_manager.block_size, budget,
+                              self._max_chunk)
                 if not self.block_manager.allocate_slots(seq, num_new, hits):
                     break
                 seq.num_computed_tokens = seq.num_cached_tokens = hits.num_blocks * self.block_manager.block_size
@@ -97,9 +103,28 @@ class Scheduler:
     def host_pool(self):
         return self.block_manager.host_pool
 
+    @property
+    def _max_chunk(self) -> int:
+        """With a host pool, a step's tokens of one sequence fit the device's blocks (one spare for a part-filled
+        block), since the rest of its KV may live in the pool."""
+        bm = self.block_manager
+        return (bm.num_blocks - 1) * bm.block_size if self.host_pool is not None else self.max_num_batched_tokens
+
+    def _offload_for(self, seq: Sequence, num_new: int) -> int:
+        """How many of num_new tokens fit once seq's own leading blocks move to the host pool to make room (all of
+        them where enough blocks move); 0 where nothing helps."""
+        bm = self.block_manager
+        if self.host_pool is None:
+            return 0
+        needed = -(-(seq.num_computed_tokens + num_new) // bm.block_size) - len(seq.block_table) - bm.num_free_blocks
+        moved = bm.offload(seq, needed)
+        room = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+        fit = min(num_new, room)
+        return fit if fit > 0 and (moved or fit < num_new) else 0
+
     def _preempt(self, seq: Sequence):
         computed_blocks = seq.block_table[:-(-seq.num_computed_tokens // self.block_manager.block_size)]
-        if self.host_pool is not None and computed_blocks and \
+        if self.host_pool is not None and computed_blocks and not seq.host_blocks and \
                 self.host_pool.swap_beats_recompute(len(computed_blocks), seq.num_computed_tokens):
             seq.swapped_blocks = self.host_pool.swap_out(computed_blocks)  # None: no room, recompute
         self.block_manager.free(seq)

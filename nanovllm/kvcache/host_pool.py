@@ -25,6 +25,7 @@ class HostKVPool:
                                 pin_memory=kv_cache.is_cuda)
         self.free_blocks = list(range(num_blocks))
         self.cached: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # hash -> (block, its tokens)
+        self.checked_out: set[int] = set()  # hashes of cached blocks between checkout and load_prefix
         self.block_bytes = self.pool[:, :, 0].numel() * self.pool.element_size()
         self.block_size = kv_cache.shape[3]
         self.bandwidth, self.flops = self._measure(kv_cache.device)
@@ -92,7 +93,7 @@ class HostKVPool:
         hold every block)."""
         if block_hash in self.cached:
             self.cached.move_to_end(block_hash)
-        elif self.num_free_blocks:
+        elif self.num_free_blocks and block_hash not in self.checked_out:  # a checked-out one is kept already
             block = self._take_block()
             self._copy_out([device_block], [block])
             self.cached[block_hash] = (block, token_ids)
@@ -103,12 +104,14 @@ class HostKVPool:
 
     def checkout(self, block_hashes: list[int]) -> list[tuple[int, tuple[int, tuple[int, ...]]]]:
         """Take cached prefix blocks out of the eviction order until load_prefix puts them back."""
+        self.checked_out.update(block_hashes)
         return [(h, self.cached.pop(h)) for h in block_hashes]
 
     def load_prefix(self, held: list[tuple[int, tuple[int, tuple[int, ...]]]], device_blocks: list[int]):
         """Copy checked-out prefix blocks into device blocks; they stay cached here, now the most recently used."""
         self._copy_in([block for _, (block, _) in held], device_blocks)
         self.cached.update(held)
+        self.checked_out.difference_update(h for h, _ in held)
 
     def reset_prefix_cache(self):
         self.free_blocks.extend(block for block, _ in self.cached.values())

@@ -7,11 +7,18 @@ stream and two events: "loaded" (the compute stream waits on it before attending
 waits on it before it overwrites the slot); copies go by sgDMA. On CPU the slots are host tensors and the copies run
 in order: the same code and bookkeeping, tested in CI.
 
-Not wired into the engine yet: the block manager does not yet hand running sequences host-resident blocks."""
+forward() is a step's attention where some sequence has offloaded blocks (the scheduler moves a sequence's leading
+blocks to the pool when the GPU runs out, engine/block_manager.offload): per sequence, its resident blocks from the
+device cache and its offloaded ones through the ring, merged. It runs eagerly, a sequence at a time, in plain torch."""
 import torch
 
 from nanovllm.attention.merge import attention_with_lse, merge_attention_states
+from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.attention.torch_backend import store_kv_reference
 from nanovllm.comm.sgdma import copy_blocks
+
+OFFLOAD_SLOTS = 3  # slots loading while one is attended to
+OFFLOAD_SLOT_TOKENS = 4096  # tokens a slot holds (of one layer)
 
 
 class OffloadEngine:
@@ -63,3 +70,22 @@ class OffloadEngine:
             if j + self.num_slots < len(parts):
                 self._load(slot, layer, parts[j + self.num_slots])
         return out, lse
+
+    def forward(self, layer: int, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """A layer's attention for a step where meta.offloaded names host blocks: the new K/V stored, then each
+        sequence's queries against its resident context (causal) merged with its offloaded prefix."""
+        store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc_cpu
+        for i, (seq_len, host_blocks) in enumerate(zip(meta.seq_lens_cpu, meta.offloaded)):
+            s, e = starts[i], starts[i + 1]
+            host_tokens = len(host_blocks) * self.block_size
+            table = meta.block_tables[i, len(host_blocks):-(-seq_len // self.block_size)].long()
+            keys, values = (cache[table].flatten(0, 1)[:seq_len - host_tokens] for cache in (k_cache, v_cache))
+            query_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
+            key_pos = torch.arange(host_tokens, seq_len, device=q.device)
+            part = attention_with_lse(q[s:e], keys, values, scale, key_pos[None, :] <= query_pos[:, None])
+            if host_blocks:
+                part = merge_attention_states(*part, *self.attend(layer, q[s:e], host_blocks, host_tokens, scale))
+            out[s:e] = part[0].to(out.dtype)
+        return out

@@ -14,12 +14,18 @@ class Attention(nn.Module):
         self.backend: AttentionBackend | None = None  # set by the ModelRunner
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.layer_index = 0
+        self.offload_engine = None  # with a host pool: attends to KV blocks offloaded there
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 rope: DecodeRope | None = None) -> torch.Tensor:
         """rope (only where rotates_in_kernel): q and k are unrotated, the backend rotates them."""
+        if meta.offloaded is not None and self.k_cache is not None:
+            return self.offload_engine.forward(self.layer_index, q, k, v, self.k_cache, self.v_cache, meta,
+                                               self.scale)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, rope)
 
     def rotates_in_kernel(self, meta: AttentionMetadata) -> bool:
         """Whether this step's attention backend applies rotary itself: decode steps on a backend that does."""
-        return self.k_cache is not None and self.backend.rotates_decode and meta.num_decodes == meta.num_seqs
+        return (self.k_cache is not None and self.backend.rotates_decode and meta.num_decodes == meta.num_seqs
+                and meta.offloaded is None)
