@@ -1,16 +1,24 @@
 """KV cache beyond the GPU (issue #42), measured on CUDA.
 
     python bench_offload.py copies   # KV blocks between the GPU cache and a pinned host pool
+    python bench_offload.py long [--model qwen3-0.6b] [--prompt-len 8192] [--gpu-tokens 2048]
 
 copies: whole blocks (every layer, K and V) of a Llama-3-8B-shape KV cache (32 layers, 8 KV heads of 128, bf16) moved
 by sgDMA (comm/sgdma.py), by its torch twin (gather, one copy, scatter) and as one contiguous copy of the same bytes,
-host to device and back, against the pinned host-to-device bandwidth of a contiguous 1 GiB copy in the same run."""
+host to device and back, against the pinned host-to-device bandwidth of a contiguous 1 GiB copy in the same run.
+
+long: one prompt of --prompt-len tokens and --output-len greedy tokens, with every block on the GPU and with the GPU
+capped at --gpu-tokens of KV (the rest offloaded to the host pool): prefill and decode tok/s, each against the
+resident run, and decode against its bound (the offloaded KV bytes a step over the pinned H2D bandwidth)."""
 import argparse
 import datetime
+import random
 import time
 
 import torch
 
+from bench import resolve_model
+from nanovllm import LLM, SamplingParams
 from nanovllm.comm import sgdma
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -71,11 +79,55 @@ def bench_copies(args):
         torch.cuda.empty_cache()
 
 
+def generate_seconds(llm: LLM, prompt: list[int], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_long(args):
+    model = resolve_model(args.model, torch.bfloat16)
+    prompt = [random.Random(0).randint(100, 500) for _ in range(args.prompt_len)]  # in every vocabulary
+    max_len = args.prompt_len + args.output_len + 16
+    figures = {}
+    for name in ("resident", "offloaded"):
+        block_size = 16
+        kw = dict(num_gpu_blocks_override=args.gpu_tokens // block_size,
+                  kv_offloading_size=max_len * (256 << 10) / (1 << 30)) if name == "offloaded" else {}  # 256 KB a token
+        llm = LLM(model, max_model_len=max_len, block_size=block_size, enable_prefix_caching=False, **kw)
+        generate_seconds(llm, prompt[:512], 4)  # warm-up
+        prefill = generate_seconds(llm, prompt, 1)
+        decode = (args.output_len - 1) / (generate_seconds(llm, prompt, args.output_len) - prefill)
+        runner = llm.llm_engine.model_runner
+        figures[name] = (args.prompt_len / prefill, decode, runner.kv_bytes_per_token)
+        del llm, runner
+        torch.cuda.empty_cache()
+    bw = pinned_h2d_bandwidth()
+    offloaded_tokens = args.prompt_len + args.output_len // 2 - args.gpu_tokens
+    bound = bw / (offloaded_tokens * figures["offloaded"][2])
+    (pre_r, dec_r, _), (pre_o, dec_o, _) = figures["resident"], figures["offloaded"]
+    print(f"\n| device | date | config |\n|---|---|---|\n| {torch.cuda.get_device_name()} | {datetime.date.today()} | "
+          f"{args.model}, bf16, one prompt of {args.prompt_len:,} tokens + {args.output_len} greedy; offloaded: GPU "
+          f"KV capped at {args.gpu_tokens:,} tokens; pinned H2D {bw / 1e9:.1f} GB/s |\n")
+    print("| run | prefill tok/s | vs resident | decode tok/s | vs resident | decode bound (offloaded KV / H2D) |"
+          "\n|---|---|---|---|---|---|")
+    print(f"| resident | {pre_r:,.0f} | 1.00x | {dec_r:.1f} | 1.00x | |")
+    print(f"| offloaded | {pre_o:,.0f} | {pre_o / pre_r:.2f}x | {dec_o:.1f} | {dec_o / dec_r:.2f}x | {bound:.0f} tok/s "
+          f"({dec_o / bound:.0%}) |")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["copies"])
+    ap.add_argument("mode", choices=["copies", "long"])
+    ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--prompt-len", type=int, default=8192)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--gpu-tokens", type=int, default=2048)
     args = ap.parse_args()
-    {"copies": bench_copies}[args.mode](args)
+    {"copies": bench_copies, "long": bench_long}[args.mode](args)
 
 
 if __name__ == "__main__":

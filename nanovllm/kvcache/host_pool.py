@@ -23,7 +23,7 @@ class HostKVPool:
         self.kv_cache = kv_cache
         self.pool = torch.empty((*kv_cache.shape[:2], num_blocks, *kv_cache.shape[3:]), dtype=kv_cache.dtype,
                                 pin_memory=kv_cache.is_cuda)
-        self.free_blocks = list(range(num_blocks))
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))  # popped from the end: ascending runs copy as one
         self.cached: OrderedDict[int, tuple[int, tuple[int, ...]]] = OrderedDict()  # hash -> (block, its tokens)
         self.checked_out: set[int] = set()  # hashes of cached blocks between checkout and load_prefix
         self.block_bytes = self.pool[:, :, 0].numel() * self.pool.element_size()
