@@ -66,3 +66,16 @@ def test_bad_ring_or_lengths_name_the_problem():
     engine = OffloadEngine(pool(), 2, 2, torch.device("cpu"))
     with pytest.raises(ValueError, match="9 tokens are not held by 2 blocks of 4"):
         engine.attend(0, query(1), [0, 1], 9, SCALE)
+
+
+def test_long_contexts_go_a_few_queries_at_a_time(monkeypatch):
+    """The scores of one chunk of queries stay under SCORES_BYTES; the chunks give what one pass gives."""
+    from nanovllm.attention import merge
+
+    q, k, v = query(9), torch.randn(20, KV_HEADS, HEAD_DIM), torch.randn(20, KV_HEADS, HEAD_DIM)
+    mask = torch.rand(9, 20, generator=torch.Generator().manual_seed(3)) < 0.7
+    mask[:, 0] = True
+    whole = attention_with_lse(q, k, v, SCALE, mask)
+    monkeypatch.setattr(merge, "SCORES_BYTES", 4 * HEADS * 20 * 2)  # two queries a chunk
+    for got, want in zip(attention_with_lse(q, k, v, SCALE, mask), whole):
+        torch.testing.assert_close(got, want)

@@ -3,6 +3,8 @@ each part gives its output and the log-sum-exp of its scores, and the parts merg
 whole context. Plain torch, fp32: the twin of fused kernels to come."""
 import torch
 
+SCORES_BYTES = 256 << 20  # the fp32 scores of one chunk of queries: long contexts go a few hundred queries at a time
+
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                        mask: torch.Tensor | None = None):
@@ -11,12 +13,17 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     group = q.shape[1] // k.shape[1]
     keys = k.float().repeat_interleave(group, dim=1)
     values = v.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask[None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse[..., None]), values)
-    return out, lse.transpose(0, 1)
+    rows = max(1, SCORES_BYTES // (4 * q.shape[1] * max(1, k.shape[0])))
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    for start in range(0, q.shape[0], rows):
+        scores = torch.einsum("qhd,khd->hqk", q[start:start + rows].float(), keys) * scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask[None, start:start + rows], float("-inf"))
+        chunk_lse = torch.logsumexp(scores, dim=-1)
+        out[start:start + rows] = torch.einsum("hqk,khd->qhd", torch.exp(scores - chunk_lse[..., None]), values)
+        lse[start:start + rows] = chunk_lse.transpose(0, 1)
+    return out, lse
 
 
 def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
