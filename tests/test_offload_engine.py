@@ -79,3 +79,19 @@ def test_long_contexts_go_a_few_queries_at_a_time(monkeypatch):
     monkeypatch.setattr(merge, "SCORES_BYTES", 4 * HEADS * 20 * 2)  # two queries a chunk
     for got, want in zip(attention_with_lse(q, k, v, SCALE, mask), whole):
         torch.testing.assert_close(got, want)
+
+
+def test_the_ring_loads_the_next_layers_parts_while_this_one_is_attended_to():
+    engine = OffloadEngine(pool(), 2, 2, torch.device("cpu"))
+    blocks = [[3, 4, 5], [9, 1]]  # two sequences: 2 parts and 1 part a layer
+    engine.plan([(layer, part) for layer in range(LAYERS) for b in blocks for part in engine.parts(b)])
+    assert [entry[1:] for entry in engine.in_ring] == [(0, [3, 4]), (0, [5])]
+    engine.attend(0, query(1), blocks[0], 12, SCALE)
+    assert [entry[1:] for entry in engine.in_ring] == [(0, [9, 1]), (1, [3, 4])]  # layer 1 already loading
+    engine.attend(0, query(1), blocks[1], 8, SCALE)
+    for layer in (1, 2):
+        for b in blocks:
+            out, _ = engine.attend(layer, query(1), b, len(b) * BLOCK_SIZE, SCALE)
+            want, _ = attention_with_lse(query(1), *gathered(engine.pool, layer, b, len(b) * BLOCK_SIZE), SCALE)
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert not engine.in_ring and not engine.pending

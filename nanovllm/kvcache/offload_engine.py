@@ -1,8 +1,9 @@
 """Attention over KV blocks held in the host pool (kvcache/host_pool.py), streamed through a ring of GPU slots.
 
 Each slot holds `slot_blocks` blocks of one layer (K and V). For a sequence whose context blocks are in the pool,
-attend() loads them a slot at a time and attends to each slot as it lands, so that slots k+1.. load while slot k is
-attended to, and merges the parts by their log-sum-exp (attention/merge.py). On CUDA each slot has its own transfer
+attend() attends to them a slot at a time as they land and merges the parts by their log-sum-exp
+(attention/merge.py). The loads run ahead in the order the parts are read (plan(): a step's every layer and
+sequence), so that while slot k is attended to the next slots fill, across layers. On CUDA each slot has its own transfer
 stream and two events: "loaded" (the compute stream waits on it before attending) and "consumed" (the transfer stream
 waits on it before it overwrites the slot); copies go by sgDMA. On CPU the slots are host tensors and the copies run
 in order: the same code and bookkeeping, tested in CI.
@@ -10,6 +11,8 @@ in order: the same code and bookkeeping, tested in CI.
 forward() is a step's attention where some sequence has offloaded blocks (the scheduler moves a sequence's leading
 blocks to the pool when the GPU runs out, engine/block_manager.offload): per sequence, its resident blocks from the
 device cache and its offloaded ones through the ring, merged. It runs eagerly, a sequence at a time, in plain torch."""
+from collections import deque
+
 import torch
 
 from nanovllm.attention.merge import attention_with_lse, merge_attention_states
@@ -31,6 +34,9 @@ class OffloadEngine:
         self.block_size = pool.shape[3]
         self.slots = torch.empty((num_slots, 2, 1, slot_blocks, *pool.shape[3:]), dtype=pool.dtype, device=device)
         self.streams = self.loaded = self.consumed = None
+        self.pending: deque[tuple[int, list[int]]] = deque()  # (layer, blocks) parts planned, not loading yet
+        self.in_ring: deque[tuple[int, int, list[int]]] = deque()  # (slot, layer, blocks) loading or loaded
+        self.next_slot = 0
         if device.type == "cuda":
             self.streams = [torch.cuda.Stream(device) for _ in range(num_slots)]
             self.loaded = [torch.cuda.Event() for _ in range(num_slots)]
@@ -48,17 +54,34 @@ class OffloadEngine:
             copy_blocks(source, target, blocks, list(range(len(blocks))))
             self.loaded[slot].record(stream)
 
+    def parts(self, blocks: list[int]) -> list[list[int]]:
+        return [blocks[i:i + self.slot_blocks] for i in range(0, len(blocks), self.slot_blocks)]
+
+    def plan(self, loads: list[tuple[int, list[int]]]):
+        """The (layer, blocks) parts that the next attend() calls read, in their order; loading starts now."""
+        self.pending, self.in_ring = deque(loads), deque()
+        self._fill()
+
+    def _fill(self):
+        while self.pending and len(self.in_ring) < self.num_slots:
+            layer, blocks = self.pending.popleft()
+            slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.num_slots
+            self._load(slot, layer, blocks)
+            self.in_ring.append((slot, layer, blocks))
+
     def attend(self, layer: int, q: torch.Tensor, blocks: list[int], length: int, scale: float):
         """q [Lq, H, D] against the first `length` tokens held in pool blocks `blocks` of this layer, every token
-        visible to every query -> (out [Lq, H, D], lse [Lq, H]) in fp32, to merge with the GPU-resident part."""
+        visible to every query -> (out [Lq, H, D], lse [Lq, H]) in fp32, to merge with the GPU-resident part.
+        Parts not planned are loaded now."""
         if length <= 0 or -(-length // self.block_size) != len(blocks):
             raise ValueError(f"{length} tokens are not held by {len(blocks)} blocks of {self.block_size}")
-        parts = [blocks[i:i + self.slot_blocks] for i in range(0, len(blocks), self.slot_blocks)]
-        for j in range(min(self.num_slots, len(parts))):
-            self._load(j, layer, parts[j])
+        parts = self.parts(blocks)
+        if not self.in_ring or self.in_ring[0][1:] != (layer, parts[0]):
+            self.plan([(layer, part) for part in parts])
         out = lse = None
         for j, part in enumerate(parts):
-            slot = j % self.num_slots
+            slot, *planned = self.in_ring.popleft()
+            assert planned == [layer, part], "attend() calls left the planned order"
             if self.streams is not None:
                 torch.cuda.current_stream().wait_event(self.loaded[slot])
             tokens = min(length - j * self.slot_blocks * self.block_size, len(part) * self.block_size)
@@ -67,13 +90,15 @@ class OffloadEngine:
             if self.streams is not None:
                 self.consumed[slot].record()
             out, lse = (part_out, part_lse) if out is None else merge_attention_states(out, lse, part_out, part_lse)
-            if j + self.num_slots < len(parts):
-                self._load(slot, layer, parts[j + self.num_slots])
+            self._fill()
         return out, lse
 
     def forward(self, layer: int, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """A layer's attention for a step where meta.offloaded names host blocks: the new K/V stored, then each
         sequence's queries against its resident context (causal) merged with its offloaded prefix."""
+        if layer == 0:  # the step's every offloaded part, layer by layer, in the order attend() reads them
+            self.plan([(i, part) for i in range(self.pool.shape[1]) for blocks in meta.offloaded if blocks
+                       for part in self.parts(blocks)])
         store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
