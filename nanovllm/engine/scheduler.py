@@ -9,8 +9,9 @@ class Scheduler:
     waiting ones while the token budget and free blocks last. When blocks run out, the newest running
     sequence is preempted and goes back to the head of the queue: its KV dropped, to be recomputed, or, with the
     block manager's host pool where the copy is cheaper, copied to host memory and back when it resumes. With a host
-    pool, the newest sequence itself is not preempted while it can move its own leading blocks there instead (KV
-    beyond the GPU: kvcache/offload_engine.py attends to them), and no chunk asks for more blocks than the GPU has."""
+    pool, a sequence that runs alone and outgrows the GPU moves its own leading blocks there instead of being
+    preempted (kvcache/offload_engine.py attends to them; those steps run eagerly, so a batch under KV pressure
+    preempts its newest sequences first, as without the pool), and no chunk asks for more blocks than the GPU has."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.block_manager = block_manager
@@ -38,7 +39,7 @@ class Scheduler:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self._max_chunk)
             while not self.block_manager.allocate_slots(seq, num_new):
-                if i == len(self.running) - 1 and (fit := self._offload_for(seq, num_new)):
+                if len(self.running) == 1 and (fit := self._offload_for(seq, num_new)):
                     num_new = fit
                     continue
                 self._preempt(self.running.pop())
