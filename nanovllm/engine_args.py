@@ -53,7 +53,7 @@ NEUTRAL = {
 
 # vLLM's names whose non-neutral values ask for features nanovllm does not have yet
 FEATURES = frozenset(NEUTRAL) | {
-    "kv_cache_dtype", "calculate_kv_scales", "cpu_offload_gb", "enable_lora", "enable_prompt_embeds",
+    "kv_cache_dtype", "calculate_kv_scales", "enable_lora", "enable_prompt_embeds",
     "skip_tokenizer_init", "enable_expert_parallel", "enable_eplb", "enable_dbo", "data_parallel_hybrid_lb",
     "speculative_config", "speculative_model", "num_speculative_tokens", "ngram_prompt_lookup_max",
     "kv_transfer_config", "kv_events_config", "enable_sleep_mode", "hf_overrides", "hf_config_path", "rope_scaling",

@@ -23,6 +23,8 @@ from nanovllm.logger import log_once, logger
 from nanovllm.models import get_model_class
 from nanovllm.quant.base_config import get_quantization_config
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.streaming.layer_streamer import LayerStreamer
+from nanovllm.streaming.placement import plan_placement
 from nanovllm.weights.model_files import iterate_weights
 
 if TYPE_CHECKING:
@@ -125,6 +127,7 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
         self.model = self._load_model()
+        self.streamer = self._stream_layers()
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.gqa_group = self.attention_layers[0].num_heads // self.attention_layers[0].num_kv_heads
         self.backend = get_attention_backend(config.attention_backend, config.device, mc.max_model_len,
@@ -157,6 +160,8 @@ class ModelRunner:
             return "not on CUDA"
         if self.config.enforce_eager:
             return "enforce_eager=True: every step runs eagerly, without CUDA graphs"
+        if self.streamer is not None:
+            return "weights stream from host memory (cpu_offload_gb): every step runs eagerly"
         if not self.backend.supports_cuda_graphs:
             return f"the {self.backend.name} attention backend cannot be captured: every step runs eagerly"
         return None
@@ -220,8 +225,10 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         quant_config = get_quantization_config(mc.quantization, self.device, self.dtype, use_kernels=self.device.type
                                                == "cuda" and self.config.attention_backend != "torch")
+        # streamed weights are loaded in host memory: the device need not hold the whole model, even once
+        build_on = "cpu" if self.config.cpu_offload_gb else self.device
         try:
-            with torch.device(self.device):
+            with torch.device(build_on):
                 model = get_model_class(self.hf_config)(self.hf_config, quant_config)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -229,6 +236,24 @@ class ModelRunner:
         if quant_config is not None:
             quant_config.finish_loading(model)
         return model.eval()
+
+    def _stream_layers(self) -> LayerStreamer | None:
+        """cpu_offload_gb GiB of the decoder layers in host memory, streamed in before each runs; the rest of the
+        model moves to the device (None: nothing streams)."""
+        if not self.config.cpu_offload_gb:
+            return None
+        layers = list(self.model.model.layers)
+        sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+        placement = plan_placement(sizes, int(self.config.cpu_offload_gb * (1 << 30)))
+        streamer = LayerStreamer(layers, placement.streamed, self.device)
+        self.model.to(self.device)
+        logger.info(f"weights (cpu_offload_gb={self.config.cpu_offload_gb:g}):\n{placement.table()}")
+        return streamer
+
+    def _streamed_modules(self) -> set[int]:
+        if self.streamer is None:
+            return set()
+        return {id(m) for i in self.streamer.streamed for m in self.streamer.layers[i].modules()}
 
     def _choose_linear_method(self):
         """fp32 on CPU runs oneDNN-packed weights when this torch build has them; half precision on CUDA with
@@ -250,8 +275,10 @@ class ModelRunner:
             if self.device.type == "cuda":
                 log_once("CUDA linears: cuBLAS only (the Triton GEMV serves bf16/fp16 beside a fast attention backend)")
             return
+        streamed = self._streamed_modules()  # their weights change place each step: F.linear reads them where they are
         for module in self.model.modules():
-            if isinstance(module, (LinearBase, LMHead)) and type(module.linear_method) is UnquantizedLinearMethod:
+            if isinstance(module, (LinearBase, LMHead)) and type(module.linear_method) is UnquantizedLinearMethod \
+                    and id(module) not in streamed:
                 module.linear_method = method()
                 module.linear_method.process_weights_after_loading(module)
 

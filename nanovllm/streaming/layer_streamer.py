@@ -1,0 +1,92 @@
+"""Decoder layers whose weights live in host memory (pinned on CUDA) and are copied into a few device slots just
+before they run. Each streamed layer's parameters are packed into one host buffer; before the layer's forward its
+parameters are pointed at the slot that holds its copy (the model code does not know). While a layer computes, the
+next streamed layers load into the other slots on a transfer stream ("loaded" events gate the compute, "consumed"
+events gate the overwrite); a layer still in a slot from before is not copied again, and the slot given up is the
+one whose layer runs furthest ahead in the cyclic layer order. On CPU the slots are host tensors and the copies
+plain: the same bookkeeping, tested in CI. Steps run eagerly (hooks, not captured in CUDA graphs)."""
+import torch
+from torch import nn
+
+ALIGN = 256  # bytes: each parameter's offset in a buffer, for the kernels' vectorized loads
+
+
+class LayerStreamer:
+
+    def __init__(self, layers: list[nn.Module], streamed: list[int], device: torch.device, num_slots: int = 2):
+        self.layers, self.streamed, self.device = layers, list(streamed), device
+        self.cuda = device.type == "cuda"
+        self.entries: dict[int, list[tuple[nn.Parameter, int, torch.Size]]] = {}  # layer -> (param, offset, shape)
+        self.host: dict[int, torch.Tensor] = {}
+        for index in self.streamed:
+            self._pack(index)
+        size = max(buffer.numel() for buffer in self.host.values())
+        self.num_slots = min(num_slots, len(self.streamed))
+        self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
+        self.slot_layer: list[int | None] = [None] * self.num_slots
+        self.slot_of: dict[int, int] = {}
+        self.num_loads = 0  # statistics: layer copies into a slot
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device)
+            self.loaded = [torch.cuda.Event() for _ in range(self.num_slots)]
+            self.consumed = [torch.cuda.Event() for _ in range(self.num_slots)]
+        for index in self.streamed:
+            layers[index].register_forward_pre_hook(lambda module, args, i=index: self._before(i))
+            layers[index].register_forward_hook(lambda module, args, out, i=index: self._after(i))
+
+    def _pack(self, index: int):
+        """The layer's parameters copied into one host buffer; each parameter left empty until bound to a slot."""
+        entries, at = [], 0
+        for p in self.layers[index].parameters():
+            entries.append((p, at, p.shape))
+            at += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+        buffer = torch.empty(at, dtype=torch.uint8, pin_memory=self.cuda)
+        for p, offset, _ in entries:
+            buffer[offset:offset + p.numel() * p.element_size()].copy_(p.data.reshape(-1).view(torch.uint8))
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        self.host[index], self.entries[index] = buffer, entries
+
+    def _upcoming(self, index: int, count: int) -> list[int]:
+        """The next `count` streamed layers after `index`, wrapping to the next step."""
+        at = self.streamed.index(index)
+        return [self.streamed[(at + k) % len(self.streamed)] for k in range(1, count + 1)]
+
+    def _victim(self, index: int, keep: set[int]) -> int:
+        """A slot to load into: an empty one, else the one whose layer runs furthest after `index`."""
+        order = {layer: k for k, layer in enumerate([index, *self._upcoming(index, len(self.streamed) - 1)])}
+        candidates = [s for s in range(self.num_slots) if s not in keep]
+        return max(candidates, key=lambda s: len(order) if self.slot_layer[s] is None else order[self.slot_layer[s]])
+
+    def _load(self, index: int, slot: int):
+        old = self.slot_layer[slot]
+        if old is not None:
+            del self.slot_of[old]
+        self.slot_layer[slot], self.slot_of[index] = index, slot
+        source, target = self.host[index], self.slots[slot][:self.host[index].numel()]
+        self.num_loads += 1
+        if not self.cuda:
+            target.copy_(source)
+            return
+        self.stream.wait_event(self.consumed[slot])
+        with torch.cuda.stream(self.stream):
+            target.copy_(source, non_blocking=True)
+            self.loaded[slot].record(self.stream)
+
+    def _before(self, index: int):
+        if index not in self.slot_of:
+            self._load(index, self._victim(index, set()))
+        slot = self.slot_of[index]
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.loaded[slot])
+        buffer = self.slots[slot]
+        for p, offset, shape in self.entries[index]:
+            p.data = buffer[offset:offset + shape.numel() * p.element_size()].view(p.dtype).view(shape)
+        keep = {slot}
+        for upcoming in self._upcoming(index, self.num_slots - 1):
+            if upcoming not in self.slot_of:
+                self._load(upcoming, self._victim(index, keep))
+            keep.add(self.slot_of[upcoming])
+
+    def _after(self, index: int):
+        if self.cuda:
+            self.consumed[self.slot_of[index]].record(torch.cuda.current_stream(self.device))

@@ -1,0 +1,73 @@
+"""Decoder layers streamed from host memory (cpu_offload_gb, nanovllm/streaming): the placement plan, the slot
+cache's choice, and a streamed model generating the tokens and logprobs of the same model held resident. On CPU the
+slots are host tensors; on CUDA (where there is one) the host buffers are pinned and copies cross the link."""
+import pytest
+import torch
+from torch import nn
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.streaming.layer_streamer import LayerStreamer
+from nanovllm.streaming.placement import plan_placement
+from nanovllm.weights.synthetic import SHAPES, write_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_the_first_layers_go_to_host_memory_until_they_hold_the_offload():
+    assert plan_placement([10, 10, 10, 10], 15).streamed == [0, 1]
+    assert plan_placement([10, 10, 10, 10], 0).streamed == []
+    assert plan_placement([10, 10, 10, 10], 100).streamed == [0, 1, 2, 3]
+    table = plan_placement([1 << 30] * 4, 1 << 30).table(host_to_device_bandwidth=2 << 30)
+    assert "| device | 3 | 3.00 GiB |" in table and "| host memory | 1 | 1.00 GiB |" in table
+    assert "500.0 ms a step" in table
+    with pytest.raises(ValueError, match="cpu_offload_gb must be >= 0"):
+        plan_placement([10], -1)
+
+
+def test_a_slot_gives_way_to_the_layer_needed_soonest():
+    layers = [nn.Linear(4, 4) for _ in range(5)]
+    streamer = LayerStreamer(layers, [0, 1, 2, 3, 4], torch.device("cpu"), num_slots=3)
+    x = torch.randn(1, 4)
+    for layer in layers:
+        layer(x)
+    # the last layer ran with 0 and 1 (the next step's first) loading beside it
+    assert sorted(streamer.slot_of) == [0, 1, 4]
+    loads = streamer.num_loads
+    layers[0](x)
+    assert streamer.num_loads == loads + 1  # 0 was there; 2 comes in beside it, in place of 4 (needed last)
+    assert sorted(streamer.slot_of) == [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def six_layers(tmp_path_factory) -> str:
+    shape = dict(SHAPES["tiny-qwen3"], num_hidden_layers=6)
+    return str(write_model(shape, tmp_path_factory.mktemp("six"), torch.float32, device="cpu"))
+
+
+def test_a_streamed_model_generates_as_the_resident_one(six_layers):
+    prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    resident = LLM(six_layers, device=DEVICE, dtype="float32", max_model_len=128)
+    layer_bytes = sum(p.numel() * p.element_size() for p in resident.llm_engine.model_runner.model.model.layers[0]
+                      .parameters())
+    want = [o.outputs[0] for o in resident.generate(prompts, params, use_tqdm=False)]
+    streamed = LLM(six_layers, device=DEVICE, dtype="float32", max_model_len=128,
+                   cpu_offload_gb=4 * layer_bytes / (1 << 30))
+    streamer = streamed.llm_engine.model_runner.streamer
+    assert streamer.streamed == [0, 1, 2, 3] and streamer.num_slots == 2
+    assert all(buffer.is_pinned() == (DEVICE == "cuda") for buffer in streamer.host.values())
+    loads = streamer.num_loads
+    got = [o.outputs[0] for o in streamed.generate(prompts, params, use_tqdm=False)]
+    assert streamer.num_loads - loads >= 4 * 16  # 4 layers through 2 slots: every step copies each
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(cpu_offload_gb=-1), "cpu_offload_gb must be >= 0"),
+    (dict(cpu_offload_gb=1, quantization="int8"), "cpu_offload_gb streams dense weights only so far"),
+])
+def test_bad_offload_settings_name_the_problem(six_layers, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(six_layers, device="cpu", **kwargs)
