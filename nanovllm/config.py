@@ -64,6 +64,8 @@ class Config:
     kv_offloading_size: float | None = None  # GiB of host memory for KV blocks (swap preemption so far); None: none
     kv_offloading_backend: str | None = None  # "native" (the only one) or None
     cpu_offload_gb: float = 0  # GiB of decoder-layer weights held in host memory and streamed in (vLLM's name)
+    disk_offload_gb: float = 0  # GiB of decoder-layer weights read from a file in offload_folder as they run
+    offload_folder: str | None = None  # None: NANOVLLM_CACHE (default ~/.cache/nanovllm) / offload
     model_config: ModelConfig = field(init=False)
 
     def __post_init__(self):
@@ -85,13 +87,14 @@ class Config:
         _require(self.kv_offloading_backend in (None, "native"),
                  f"kv_offloading_backend must be None or 'native', got {self.kv_offloading_backend!r}")
         _require(self.cpu_offload_gb >= 0, f"cpu_offload_gb must be >= 0 (GiB), got {self.cpu_offload_gb}")
+        _require(self.disk_offload_gb >= 0, f"disk_offload_gb must be >= 0 (GiB), got {self.disk_offload_gb}")
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                  f"kv_cache_memory_bytes must be None or > 0, got {self.kv_cache_memory_bytes}")
         hf_config, fmt = load_model_config(self.model)
         quantization = self._resolve_quantization(fmt)
-        _require(not self.cpu_offload_gb or quantization in (None, "none"),
-                 f"cpu_offload_gb streams dense weights only so far, not quantization={quantization!r}: set "
-                 "quantization='none' or cpu_offload_gb=0")
+        _require(not (self.cpu_offload_gb or self.disk_offload_gb) or quantization in (None, "none"),
+                 f"cpu_offload_gb / disk_offload_gb stream dense weights only so far, not quantization="
+                 f"{quantization!r}: set quantization='none', or leave the weights resident")
         dtype = self._resolve_dtype(hf_config, fmt, quantization)
         if self.block_size is None:
             from nanovllm.attention.selector import default_block_size

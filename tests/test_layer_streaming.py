@@ -1,11 +1,15 @@
-"""Decoder layers streamed from host memory (cpu_offload_gb, nanovllm/streaming): the placement plan, the slot
-cache's choice, and a streamed model generating the tokens and logprobs of the same model held resident. On CPU the
+"""Decoder layers streamed from host memory and disk (cpu_offload_gb, disk_offload_gb; nanovllm/streaming): the
+placement plan, the disk file, the slot cache's choice, and streamed models generating the tokens and logprobs of
+the same model held resident. On CPU the
 slots are host tensors; on CUDA (where there is one) the host buffers are pinned and copies cross the link."""
+import os
+
 import pytest
 import torch
 from torch import nn
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.streaming.layer_file import LayerFile, aligned
 from nanovllm.streaming.layer_streamer import LayerStreamer
 from nanovllm.streaming.placement import plan_placement
 from nanovllm.weights.synthetic import SHAPES, write_model
@@ -13,8 +17,11 @@ from nanovllm.weights.synthetic import SHAPES, write_model
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def test_the_first_layers_go_to_host_memory_until_they_hold_the_offload():
+def test_the_first_layers_go_to_disk_then_host_memory_until_they_hold_the_offload():
     assert plan_placement([10, 10, 10, 10], 15).streamed == [0, 1]
+    both = plan_placement([10, 10, 10, 10, 10], 10, 15)
+    assert both.disk == [0, 1] and both.host == [2] and both.streamed == [0, 1, 2]
+    assert "| disk | 2 |" in both.table()
     assert plan_placement([10, 10, 10, 10], 0).streamed == []
     assert plan_placement([10, 10, 10, 10], 100).streamed == [0, 1, 2, 3]
     table = plan_placement([1 << 30] * 4, 1 << 30).table(host_to_device_bandwidth=2 << 30)
@@ -24,18 +31,30 @@ def test_the_first_layers_go_to_host_memory_until_they_hold_the_offload():
         plan_placement([10], -1)
 
 
+def test_the_layer_file_gives_back_what_was_written(tmp_path):
+    layer_file = LayerFile(str(tmp_path))
+    blobs = {i: torch.randint(0, 256, (n,), dtype=torch.uint8) for i, n in ((3, 5000), (7, 4096), (1, 1))}
+    for i, blob in blobs.items():
+        layer_file.write(i, blob)
+    assert layer_file.size == 3 * 4096 + 4096 and os.path.getsize(layer_file.path) == layer_file.size
+    for i, blob in blobs.items():
+        out = torch.zeros(aligned(blob.numel()) + 4096, dtype=torch.uint8)
+        layer_file.read_into(i, out[1:])  # a buffer off the page boundary too
+        assert torch.equal(out[1:1 + blob.numel()], blob)
+
+
 def test_a_slot_gives_way_to_the_layer_needed_soonest():
     layers = [nn.Linear(4, 4) for _ in range(5)]
     streamer = LayerStreamer(layers, [0, 1, 2, 3, 4], torch.device("cpu"), num_slots=3)
     x = torch.randn(1, 4)
     for layer in layers:
         layer(x)
-    # the last layer ran with 0 and 1 (the next step's first) loading beside it
-    assert sorted(streamer.slot_of) == [0, 1, 4]
+    # once the last layer's work is launched, the next step's first three load
+    assert sorted(streamer.slot_of) == [0, 1, 2]
     loads = streamer.num_loads
     layers[0](x)
-    assert streamer.num_loads == loads + 1  # 0 was there; 2 comes in beside it, in place of 4 (needed last)
-    assert sorted(streamer.slot_of) == [0, 1, 2]
+    assert streamer.num_loads == loads + 1  # 0 was there; 3 comes in, in place of 0 (now needed last)
+    assert sorted(streamer.slot_of) == [1, 2, 3]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +63,7 @@ def six_layers(tmp_path_factory) -> str:
     return str(write_model(shape, tmp_path_factory.mktemp("six"), torch.float32, device="cpu"))
 
 
-def test_a_streamed_model_generates_as_the_resident_one(six_layers):
+def test_a_streamed_model_generates_as_the_resident_one(six_layers, tmp_path):
     prompts = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
     resident = LLM(six_layers, device=DEVICE, dtype="float32", max_model_len=128)
@@ -62,11 +81,21 @@ def test_a_streamed_model_generates_as_the_resident_one(six_layers):
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, rel=1e-5, abs=1e-5)
+    on_disk = LLM(six_layers, device=DEVICE, dtype="float32", max_model_len=128, offload_folder=str(tmp_path),
+                  disk_offload_gb=2 * layer_bytes / (1 << 30), cpu_offload_gb=layer_bytes / (1 << 30))
+    streamer = on_disk.llm_engine.model_runner.streamer
+    assert streamer.streamed == [0, 1, 2] and streamer.disk == {0, 1} and sorted(streamer.host) == [2]
+    assert os.path.dirname(streamer.layer_file.path) == str(tmp_path)
+    got = [o.outputs[0] for o in on_disk.generate(prompts, params, use_tqdm=False)]
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, rel=1e-5, abs=1e-5)
 
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(cpu_offload_gb=-1), "cpu_offload_gb must be >= 0"),
-    (dict(cpu_offload_gb=1, quantization="int8"), "cpu_offload_gb streams dense weights only so far"),
+    (dict(disk_offload_gb=-1), "disk_offload_gb must be >= 0"),
+    (dict(cpu_offload_gb=1, quantization="int8"), "stream dense weights only so far, not quantization='int8'"),
 ])
 def test_bad_offload_settings_name_the_problem(six_layers, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -8,6 +8,7 @@ import torch
 
 from nanovllm.attention import AttentionMetadata, get_attention_backend
 from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles
+from nanovllm.cache_dir import cache_dir
 from nanovllm.config import Config
 from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.sequence import Sequence
@@ -23,6 +24,7 @@ from nanovllm.logger import log_once, logger
 from nanovllm.models import get_model_class
 from nanovllm.quant.base_config import get_quantization_config
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.streaming.layer_file import LayerFile
 from nanovllm.streaming.layer_streamer import LayerStreamer
 from nanovllm.streaming.placement import plan_placement
 from nanovllm.weights.model_files import iterate_weights
@@ -161,7 +163,7 @@ class ModelRunner:
         if self.config.enforce_eager:
             return "enforce_eager=True: every step runs eagerly, without CUDA graphs"
         if self.streamer is not None:
-            return "weights stream from host memory (cpu_offload_gb): every step runs eagerly"
+            return "weights stream in (cpu_offload_gb / disk_offload_gb): every step runs eagerly"
         if not self.backend.supports_cuda_graphs:
             return f"the {self.backend.name} attention backend cannot be captured: every step runs eagerly"
         return None
@@ -226,7 +228,7 @@ class ModelRunner:
         quant_config = get_quantization_config(mc.quantization, self.device, self.dtype, use_kernels=self.device.type
                                                == "cuda" and self.config.attention_backend != "torch")
         # streamed weights are loaded in host memory: the device need not hold the whole model, even once
-        build_on = "cpu" if self.config.cpu_offload_gb else self.device
+        build_on = "cpu" if self.config.cpu_offload_gb or self.config.disk_offload_gb else self.device
         try:
             with torch.device(build_on):
                 model = get_model_class(self.hf_config)(self.hf_config, quant_config)
@@ -238,16 +240,20 @@ class ModelRunner:
         return model.eval()
 
     def _stream_layers(self) -> LayerStreamer | None:
-        """cpu_offload_gb GiB of the decoder layers in host memory, streamed in before each runs; the rest of the
-        model moves to the device (None: nothing streams)."""
-        if not self.config.cpu_offload_gb:
+        """cpu_offload_gb GiB of the decoder layers in host memory and disk_offload_gb GiB on disk, streamed in
+        before each runs; the rest of the model moves to the device (None: nothing streams)."""
+        cfg = self.config
+        if not (cfg.cpu_offload_gb or cfg.disk_offload_gb):
             return None
         layers = list(self.model.model.layers)
         sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
-        placement = plan_placement(sizes, int(self.config.cpu_offload_gb * (1 << 30)))
-        streamer = LayerStreamer(layers, placement.streamed, self.device)
+        placement = plan_placement(sizes, int(cfg.cpu_offload_gb * (1 << 30)), int(cfg.disk_offload_gb * (1 << 30)))
+        layer_file = LayerFile(cfg.offload_folder or str(cache_dir("offload"))) if placement.disk else None
+        streamer = LayerStreamer(layers, placement.streamed, self.device, disk=placement.disk, layer_file=layer_file)
         self.model.to(self.device)
-        logger.info(f"weights (cpu_offload_gb={self.config.cpu_offload_gb:g}):\n{placement.table()}")
+        where = f"; on disk in {layer_file.path}" if layer_file else ""
+        logger.info(f"weights (cpu_offload_gb={cfg.cpu_offload_gb:g}, disk_offload_gb={cfg.disk_offload_gb:g}"
+                    f"{where}):\n{placement.table()}")
         return streamer
 
     def _streamed_modules(self) -> set[int]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from nanovllm.cache_dir import cache_dir
 from nanovllm.kernels import pdl
 from nanovllm.logger import log_once
 
@@ -32,7 +33,7 @@ def _build(name: str, compiler: str) -> ctypes.CDLL:
     source = CSRC / f"{name}.cu"
     digest = hashlib.sha256(source.read_bytes() + (CSRC / "common.cuh").read_bytes()
                             + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nanovllm"))
+    cache = cache_dir()
     target = cache / f"{name}_{digest}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)

