@@ -8,7 +8,6 @@ import torch
 
 from nanovllm.attention import AttentionMetadata, get_attention_backend
 from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles
-from nanovllm.cache_dir import cache_dir
 from nanovllm.config import Config
 from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.sequence import Sequence
@@ -24,9 +23,7 @@ from nanovllm.logger import log_once, logger
 from nanovllm.models import get_model_class
 from nanovllm.quant.base_config import get_quantization_config
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.streaming.layer_file import LayerFile
 from nanovllm.streaming.layer_streamer import LayerStreamer
-from nanovllm.streaming.placement import plan_placement
 from nanovllm.weights.model_files import iterate_weights
 
 if TYPE_CHECKING:
@@ -240,26 +237,15 @@ class ModelRunner:
         return model.eval()
 
     def _stream_layers(self) -> LayerStreamer | None:
-        """cpu_offload_gb GiB of the decoder layers in host memory and disk_offload_gb GiB on disk, streamed in
-        before each runs; the rest of the model moves to the device (None: nothing streams)."""
+        """The streamed decoder layers (cpu_offload_gb / disk_offload_gb); the rest of the model moves to the device
+        (None: nothing streams, and the model is there already)."""
         cfg = self.config
         if not (cfg.cpu_offload_gb or cfg.disk_offload_gb):
             return None
-        layers = list(self.model.model.layers)
-        sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
-        placement = plan_placement(sizes, int(cfg.cpu_offload_gb * (1 << 30)), int(cfg.disk_offload_gb * (1 << 30)))
-        layer_file = LayerFile(cfg.offload_folder or str(cache_dir("offload"))) if placement.disk else None
-        streamer = LayerStreamer(layers, placement.streamed, self.device, disk=placement.disk, layer_file=layer_file)
+        streamer = LayerStreamer.for_layers(list(self.model.model.layers), self.device, cfg.cpu_offload_gb,
+                                            cfg.disk_offload_gb, cfg.offload_folder)
         self.model.to(self.device)
-        where = f"; on disk in {layer_file.path}" if layer_file else ""
-        logger.info(f"weights (cpu_offload_gb={cfg.cpu_offload_gb:g}, disk_offload_gb={cfg.disk_offload_gb:g}"
-                    f"{where}):\n{placement.table()}")
         return streamer
-
-    def _streamed_modules(self) -> set[int]:
-        if self.streamer is None:
-            return set()
-        return {id(m) for i in self.streamer.streamed for m in self.streamer.layers[i].modules()}
 
     def _choose_linear_method(self):
         """fp32 on CPU runs oneDNN-packed weights when this torch build has them; half precision on CUDA with
@@ -281,7 +267,8 @@ class ModelRunner:
             if self.device.type == "cuda":
                 log_once("CUDA linears: cuBLAS only (the Triton GEMV serves bf16/fp16 beside a fast attention backend)")
             return
-        streamed = self._streamed_modules()  # their weights change place each step: F.linear reads them where they are
+        # streamed layers' weights change place each step: F.linear reads them where they are
+        streamed = self.streamer.module_ids() if self.streamer is not None else set()
         for module in self.model.modules():
             if isinstance(module, (LinearBase, LMHead)) and type(module.linear_method) is UnquantizedLinearMethod \
                     and id(module) not in streamed:

@@ -10,7 +10,10 @@ graphs). A disk read blocks the host while the device computes the layers alread
 import torch
 from torch import nn
 
+from nanovllm.cache_dir import cache_dir
+from nanovllm.logger import logger
 from nanovllm.streaming.layer_file import LayerFile, aligned
+from nanovllm.streaming.placement import plan_placement
 
 ALIGN = 256  # bytes: each parameter's offset in a buffer, for the kernels' vectorized loads
 
@@ -43,6 +46,22 @@ class LayerStreamer:
         for index in self.streamed:
             layers[index].register_forward_pre_hook(lambda module, args, i=index: self._before(i))
             layers[index].register_forward_hook(lambda module, args, out, i=index: self._after(i))
+
+    @classmethod
+    def for_layers(cls, layers: list[nn.Module], device: torch.device, cpu_offload_gb: float, disk_offload_gb: float,
+                   offload_folder: str | None) -> "LayerStreamer":
+        """The placement plan for these decoder layers (logged as a table), and their streamer."""
+        sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+        placement = plan_placement(sizes, int(cpu_offload_gb * (1 << 30)), int(disk_offload_gb * (1 << 30)))
+        layer_file = LayerFile(offload_folder or str(cache_dir("offload"))) if placement.disk else None
+        where = f"; on disk in {layer_file.path}" if layer_file else ""
+        logger.info(f"weights (cpu_offload_gb={cpu_offload_gb:g}, disk_offload_gb={disk_offload_gb:g}{where}):\n"
+                    f"{placement.table()}")
+        return cls(layers, placement.streamed, device, disk=placement.disk, layer_file=layer_file)
+
+    def module_ids(self) -> set[int]:
+        """id() of every module of the streamed layers."""
+        return {id(m) for i in self.streamed for m in self.layers[i].modules()}
 
     def _pack(self, index: int):
         """The layer's parameters copied into one host buffer; each parameter left empty until bound to a slot."""
