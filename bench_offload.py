@@ -2,6 +2,7 @@
 
     python bench_offload.py copies   # KV blocks between the GPU cache and a pinned host pool
     python bench_offload.py long [--model qwen3-0.6b] [--prompt-len 8192] [--gpu-tokens 2048]
+    python bench_offload.py weights [--model llama3-8b] [--batch-sizes 1 64]  # decoder layers streamed from host memory
 
 copies: whole blocks (every layer, K and V) of a Llama-3-8B-shape KV cache (32 layers, 8 KV heads of 128, bf16) moved
 by sgDMA (comm/sgdma.py), by its torch twin (gather, one copy, scatter) and as one contiguous copy of the same bytes,
@@ -9,7 +10,11 @@ host to device and back, against the pinned host-to-device bandwidth of a contig
 
 long: one prompt of --prompt-len tokens and --output-len greedy tokens, with every block on the GPU and with the GPU
 capped at --gpu-tokens of KV (the rest offloaded to the host pool): prefill and decode tok/s, each against the
-resident run, and decode against its bound (the offloaded KV bytes a step over the pinned H2D bandwidth)."""
+resident run, and decode against its bound (the offloaded KV bytes a step over the pinned H2D bandwidth).
+
+weights: decode tok/s at each batch size with the decoder layers' weights resident, and with 25% / 50% / 75% of them
+in pinned host memory (cpu_offload_gb), each against the resident run and against its bound: the streamed bytes a
+step over the pinned H2D bandwidth."""
 import argparse
 import datetime
 import random
@@ -119,15 +124,62 @@ def bench_long(args):
           f"({dec_o / bound:.0%}) |")
 
 
+def decode_tok_s(llm: LLM, batch: int, output_len: int) -> float:
+    """Output tok/s of `batch` 128-token prompts decoding output_len tokens, the prefill's time taken out."""
+    prompts = [[random.Random(i).randint(100, 500) for _ in range(128)] for i in range(batch)]
+
+    def seconds(max_tokens: int) -> float:
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    seconds(2)  # warm-up
+    return batch * (output_len - 1) / (seconds(output_len) - seconds(1))
+
+
+def bench_weights(args):
+    model = resolve_model(args.model, torch.bfloat16)
+    bw = pinned_h2d_bandwidth()
+    rows, resident = [], {}
+    for share in (0, 0.25, 0.5, 0.75):
+        llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, gpu_memory_utilization=0.5)
+        runner = llm.llm_engine.model_runner
+        layers_bytes = sum(p.numel() * p.element_size() for p in runner.model.model.layers.parameters())
+        if share:
+            del llm, runner
+            torch.cuda.empty_cache()
+            llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, gpu_memory_utilization=0.5,
+                      cpu_offload_gb=share * layers_bytes / (1 << 30))
+            runner = llm.llm_engine.model_runner
+        streamed = 0 if runner.streamer is None else sum(runner.streamer.sizes.values())
+        for batch in args.batch_sizes:
+            tps = decode_tok_s(llm, batch, args.output_len)
+            resident.setdefault(batch, tps)
+            bound = f"{batch * bw / streamed:,.0f} tok/s ({tps * streamed / (batch * bw):.0%})" if streamed else ""
+            rows.append(f"| {share:.0%} ({streamed / 1e9:.1f} GB) | {batch} | {tps:,.1f} | {tps / resident[batch]:.2f}x "
+                        f"| {bound} |")
+        del llm, runner
+        torch.cuda.empty_cache()
+    print(f"\n| device | date | config |\n|---|---|---|\n| {torch.cuda.get_device_name()} | {datetime.date.today()} | "
+          f"{args.model}, bf16, 128-token prompts, {args.output_len} greedy tokens; pinned H2D {bw / 1e9:.1f} GB/s |\n")
+    print("| decoder weights in host memory | batch | decode tok/s | vs resident | bound (streamed bytes a step / H2D) |"
+          "\n|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["copies", "long"])
+    ap.add_argument("mode", choices=["copies", "long", "weights"])
     ap.add_argument("--model", default="qwen3-0.6b")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prompt-len", type=int, default=8192)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--gpu-tokens", type=int, default=2048)
     args = ap.parse_args()
-    {"copies": bench_copies, "long": bench_long}[args.mode](args)
+    {"copies": bench_copies, "long": bench_long, "weights": bench_weights}[args.mode](args)
 
 
 if __name__ == "__main__":
