@@ -92,9 +92,6 @@ class Config:
                  f"kv_cache_memory_bytes must be None or > 0, got {self.kv_cache_memory_bytes}")
         hf_config, fmt = load_model_config(self.model)
         quantization = self._resolve_quantization(fmt)
-        _require(not (self.cpu_offload_gb or self.disk_offload_gb) or quantization in (None, "none"),
-                 f"cpu_offload_gb / disk_offload_gb stream dense weights only so far, not quantization="
-                 f"{quantization!r}: set quantization='none', or leave the weights resident")
         dtype = self._resolve_dtype(hf_config, fmt, quantization)
         if self.block_size is None:
             from nanovllm.attention.selector import default_block_size

@@ -95,8 +95,30 @@ def test_a_streamed_model_generates_as_the_resident_one(six_layers, tmp_path):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(cpu_offload_gb=-1), "cpu_offload_gb must be >= 0"),
     (dict(disk_offload_gb=-1), "disk_offload_gb must be >= 0"),
-    (dict(cpu_offload_gb=1, quantization="int8"), "stream dense weights only so far, not quantization='int8'"),
 ])
 def test_bad_offload_settings_name_the_problem(six_layers, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(six_layers, device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_quantized_layers_stream_their_quantized_bytes(tmp_path, quantization):
+    """int4 layers stream their INT4_G128 fields, int8 ones their int8 weights and scales (under a fifth / a third of
+    the fp32 projections' bytes), and give the tokens of the quantized model held resident."""
+    shape = dict(SHAPES["tiny-llama-128"], num_hidden_layers=4)
+    path = str(write_model(shape, tmp_path, torch.float32, device="cpu"))
+    prompts = [{"prompt_token_ids": list(range(5 + i, 30 + 3 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    kw = dict(device=DEVICE, dtype="float32" if DEVICE == "cpu" else "float16", max_model_len=128,
+              quantization=quantization)
+    resident = LLM(path, **kw)
+    want = [o.outputs[0] for o in resident.generate(prompts, params, use_tqdm=False)]
+    streamed = LLM(path, cpu_offload_gb=1, **kw)  # every layer
+    streamer = streamed.llm_engine.model_runner.streamer
+    h, ff, kv = shape["hidden_size"], shape["intermediate_size"], shape["num_key_value_heads"] * 32  # head_dim 32
+    dense_bytes = 4 * (h * (2 * h + 2 * kv) + 3 * h * ff)  # a layer's projections in fp32
+    assert streamer.streamed == [0, 1, 2, 3] and 0 < streamer.sizes[0] < dense_bytes / (3 if quantization == "int8" else 5)
+    got = [o.outputs[0] for o in streamed.generate(prompts, params, use_tqdm=False)]
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, rel=1e-4, abs=1e-4)

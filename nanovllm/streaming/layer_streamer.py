@@ -26,7 +26,8 @@ class LayerStreamer:
         self.layers, self.streamed, self.device = layers, list(streamed), device
         self.cuda = device.type == "cuda"
         self.disk, self.layer_file = set(disk), layer_file
-        self.entries: dict[int, list[tuple[nn.Parameter, int, torch.Size]]] = {}  # layer -> (param, offset, shape)
+        self.shared = shared_module_ids(layers)
+        self.entries: dict[int, list[tuple]] = {}  # layer -> (holder, key, byte offset, shape, dtype) a tensor
         self.host: dict[int, torch.Tensor] = {}
         self.sizes: dict[int, int] = {}
         for index in self.streamed:
@@ -51,7 +52,8 @@ class LayerStreamer:
     def for_layers(cls, layers: list[nn.Module], device: torch.device, cpu_offload_gb: float, disk_offload_gb: float,
                    offload_folder: str | None) -> "LayerStreamer":
         """The placement plan for these decoder layers (logged as a table), and their streamer."""
-        sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers]
+        shared = shared_module_ids(layers)
+        sizes = [sum(t.numel() * t.element_size() for _, _, t in streamed_tensors(layer, shared)) for layer in layers]
         placement = plan_placement(sizes, int(cpu_offload_gb * (1 << 30)), int(disk_offload_gb * (1 << 30)))
         layer_file = LayerFile(offload_folder or str(cache_dir("offload"))) if placement.disk else None
         where = f"; on disk in {layer_file.path}" if layer_file else ""
@@ -64,16 +66,16 @@ class LayerStreamer:
         return {id(m) for i in self.streamed for m in self.layers[i].modules()}
 
     def _pack(self, index: int):
-        """The layer's parameters copied into one host buffer; each parameter left empty until bound to a slot."""
-        entries, at = [], 0
-        for p in self.layers[index].parameters():
-            entries.append((p, at, p.shape))
-            at += -(-p.numel() * p.element_size() // ALIGN) * ALIGN
+        """The layer's tensors copied into one host buffer; each left empty until bound to a slot."""
+        tensors, entries, at = list(streamed_tensors(self.layers[index], self.shared)), [], 0
+        for holder, key, t in tensors:
+            entries.append((holder, key, at, t.shape, t.dtype))
+            at += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
         on_disk = index in self.disk
         buffer = torch.empty(at, dtype=torch.uint8, pin_memory=self.cuda and not on_disk)
-        for p, offset, _ in entries:
-            buffer[offset:offset + p.numel() * p.element_size()].copy_(p.data.reshape(-1).view(torch.uint8))
-            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        for (holder, key, t), (_, _, offset, _, dtype) in zip(tensors, entries):
+            buffer[offset:offset + t.numel() * t.element_size()].copy_(t.reshape(-1).view(torch.uint8))
+            _bind(holder, key, torch.empty(0, dtype=dtype, device=self.device))
         if on_disk:
             self.layer_file.write(index, buffer)
         else:
@@ -123,8 +125,9 @@ class LayerStreamer:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.loaded[slot])
         buffer = self.slots[slot]
-        for p, offset, shape in self.entries[index]:
-            p.data = buffer[offset:offset + shape.numel() * p.element_size()].view(p.dtype).view(shape)
+        for holder, key, offset, shape, dtype in self.entries[index]:
+            nbytes = shape.numel() * dtype.itemsize
+            _bind(holder, key, buffer[offset:offset + nbytes].view(dtype).view(shape))
 
     def _after(self, index: int):
         """With the layer's work launched: its slot may be reused once that work is done; the next layers load."""
@@ -135,3 +138,40 @@ class LayerStreamer:
             if upcoming not in self.slot_of:
                 self._load(upcoming, self._victim(index, keep))
             keep.add(self.slot_of[upcoming])
+
+
+def shared_module_ids(layers: list[nn.Module]) -> set[int]:
+    """Modules that occur in more than one layer (a rotary table): their tensors stay where they are."""
+    seen, shared = set(), set()
+    for layer in layers:
+        ids = {id(m) for m in layer.modules()}
+        shared |= seen & ids
+        seen |= ids
+    return shared
+
+
+def streamed_tensors(layer: nn.Module, shared: set[int]):
+    """(holder, key, tensor) of each tensor the layer's forward reads that is its own: parameters (the holder is
+    the Parameter, its .data rebound), buffers (holder: the module's buffer dict) and GGUF / int4 fields (holder:
+    the weight's field dict, quant/gguf_weight.py)."""
+    seen = set()
+    for module in layer.modules():
+        if id(module) in shared:
+            continue
+        for p in module._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                yield p, None, p.data
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                yield module._buffers, name, buffer
+        for _, weight in getattr(module, "qweights", []):
+            for name, field in weight.fields.items():
+                yield weight.fields, name, field
+
+
+def _bind(holder, key, tensor: torch.Tensor):
+    if key is None:
+        holder.data = tensor
+    else:
+        holder[key] = tensor
