@@ -122,3 +122,13 @@ def test_quantized_layers_stream_their_quantized_bytes(tmp_path, quantization):
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(cpu_offload_gb=1), "cpu_offload_gb=1 asks for 0.00 GiB of host memory, but 0.00 GiB is available: lower it"),
+    (dict(kv_offloading_size=0.5), "kv_offloading_size=0.5 asks for 0.50 GiB of host memory, but 0.00 GiB is"),
+])
+def test_offloading_more_than_the_host_holds_names_the_setting(six_layers, monkeypatch, kwargs, message):
+    monkeypatch.setattr("nanovllm.host_memory.available_bytes", lambda: 1000)
+    with pytest.raises(ValueError, match=message):
+        LLM(six_layers, device="cpu", max_model_len=128, **kwargs)

@@ -11,6 +11,7 @@ from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles
 from nanovllm.config import Config
 from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.sequence import Sequence
+from nanovllm.host_memory import require_host_memory
 from nanovllm.kvcache.host_pool import HostKVPool
 from nanovllm.kvcache.offload_engine import OFFLOAD_SLOT_TOKENS, OFFLOAD_SLOTS, OffloadEngine
 from nanovllm.layers.attention import Attention
@@ -389,6 +390,7 @@ class ModelRunner:
         if gib is None:
             return None
         num_blocks = self._num_host_blocks()
+        require_host_memory(num_blocks * self.kv_bytes_per_block(), f"kv_offloading_size={gib:g}")
         if num_blocks < 1:
             raise ValueError(f"kv_offloading_size={gib} GiB holds no KV block ({self.kv_bytes_per_block()} bytes "
                              "each): raise it")

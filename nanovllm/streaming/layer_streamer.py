@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from nanovllm.cache_dir import cache_dir
+from nanovllm.host_memory import require_disk_space, require_host_memory
 from nanovllm.logger import logger
 from nanovllm.streaming.layer_file import LayerFile, aligned
 from nanovllm.streaming.placement import plan_placement
@@ -55,7 +56,11 @@ class LayerStreamer:
         shared = shared_module_ids(layers)
         sizes = [sum(t.numel() * t.element_size() for _, _, t in streamed_tensors(layer, shared)) for layer in layers]
         placement = plan_placement(sizes, int(cpu_offload_gb * (1 << 30)), int(disk_offload_gb * (1 << 30)))
-        layer_file = LayerFile(offload_folder or str(cache_dir("offload"))) if placement.disk else None
+        require_host_memory(placement.bytes_of(placement.host), f"cpu_offload_gb={cpu_offload_gb:g}")
+        folder = offload_folder or str(cache_dir("offload"))
+        layer_file = LayerFile(folder) if placement.disk else None
+        if layer_file is not None:
+            require_disk_space(placement.bytes_of(placement.disk), folder, f"disk_offload_gb={disk_offload_gb:g}")
         where = f"; on disk in {layer_file.path}" if layer_file else ""
         logger.info(f"weights (cpu_offload_gb={cpu_offload_gb:g}, disk_offload_gb={disk_offload_gb:g}{where}):\n"
                     f"{placement.table()}")
