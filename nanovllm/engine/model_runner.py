@@ -399,7 +399,7 @@ class ModelRunner:
         layer_params = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
         host_pool = HostKVPool(self.kv_cache, num_blocks, 2 * c.num_hidden_layers * layer_params)
         engine = OffloadEngine(host_pool.pool, OFFLOAD_SLOTS, max(1, OFFLOAD_SLOT_TOKENS // self.block_size),
-                               self.device)
+                               self.device, fast=self.fast_kernels)
         for i, attn in enumerate(self.attention_layers):
             attn.layer_index, attn.offload_engine = i, engine
         logger.info(f"KV in host memory: {num_blocks} blocks ({gib:g} GiB); offloaded blocks are attended to "

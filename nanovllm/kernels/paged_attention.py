@@ -114,8 +114,11 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_
 
 
 @triton.jit
-def _decode_merge_kernel(acc_ptr, m_ptr, denom_ptr, out_ptr, stride_ot, stride_oh, num_heads,
-                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+def _decode_merge_kernel(acc_ptr, m_ptr, denom_ptr, out_ptr, lse_ptr, stride_ot, stride_oh, num_heads,
+                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, LSE: tl.constexpr,
+                         PDL: tl.constexpr):
+    """The splits' partial softmax states merged into out; with LSE also the log-sum-exp of all the scores, to merge
+    with attention over other keys (kvcache/offload_engine.py)."""
     wait_then_release(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -127,8 +130,11 @@ def _decode_merge_kernel(acc_ptr, m_ptr, denom_ptr, out_ptr, stride_ot, stride_o
     m_max = tl.max(m, 0)
     weight = tl.where(denom > 0, tl.exp(m - m_max), 0.0)  # empty splits (m = -inf) weigh nothing
     acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=d[None, :] < HEAD_DIM, other=0.0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(denom * weight, 0)
+    total = tl.sum(denom * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / total
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    if LSE:
+        tl.store(lse_ptr + seq * num_heads + head, m_max + tl.log(total))
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -155,12 +161,15 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, context_bound: int, num_
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, out=None,
-                 block_n=None, num_warps=4, num_stages=None, new_kv=None):
+                 block_n=None, num_warps=4, num_stages=None, new_kv=None, lse=None):
     """q: [B, H, D] -> [B, H, D]. num_splits is fixed by the caller (a CUDA graph bakes the grid in).
+    lse: [B, H] fp32 to fill with each row's log-sum-exp of its scores (then at least two splits run).
     new_kv: (k, v, slot_mapping) of this step's tokens, [B, kv_heads, D] each (strided rows of a fused qkv are
     fine), when they are not in the cache yet: the kernel attends to them and stores them (no store_kv).
     One split (large batches) reads 128-key tiles 3 stages deep: 2% faster than 64-key tiles at 256 sequences
     on the H100 (scripts/attention_sweep.py 256 2048 configs 1), where this kernel is most of the step."""
+    if lse is not None:
+        num_splits = max(num_splits, 2)  # the merge kernel gives the log-sum-exp
     if block_n is None:
         block_n, num_stages = (128, num_stages or 3) if num_splits == 1 else (DECODE_BLOCK_N, num_stages)
     B, H, D = q.shape
@@ -183,8 +192,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}), **pdl_launch(q.device))
     if num_splits > 1:
-        _decode_merge_kernel[(B, H)](acc, m, denom, out, out.stride(0), out.stride(1), H,
-                                     HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=num_splits, **pdl_launch(q.device))
+        _decode_merge_kernel[(B, H)](acc, m, denom, out, m if lse is None else lse, out.stride(0), out.stride(1), H,
+                                     HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), NUM_SPLITS=num_splits,
+                                     LSE=lse is not None, **pdl_launch(q.device))
     return out
 
 

@@ -10,7 +10,10 @@ in order: the same code and bookkeeping, tested in CI.
 
 forward() is a step's attention where some sequence has offloaded blocks (the scheduler moves a sequence's leading
 blocks to the pool when the GPU runs out, engine/block_manager.offload): per sequence, its resident blocks from the
-device cache and its offloaded ones through the ring, merged. It runs eagerly, a sequence at a time, in plain torch."""
+device cache and its offloaded ones through the ring, merged. It runs eagerly. With `fast` (the Triton kernels on
+CUDA) the decode rows attend to their resident blocks in one paged decode and every row to each slot by the same
+kernel, both giving their log-sum-exp; prompt chunks attend to their resident part in plain torch (causal), as
+does every part without `fast` (attention/merge.py, the twin)."""
 from collections import deque
 
 import torch
@@ -26,11 +29,13 @@ OFFLOAD_SLOT_TOKENS = 4096  # tokens a slot holds (of one layer)
 
 class OffloadEngine:
 
-    def __init__(self, pool: torch.Tensor, num_slots: int, slot_blocks: int, device: torch.device):
-        """pool: the host KV blocks [2, layers, blocks, block_size, kv_heads, head_dim]."""
+    def __init__(self, pool: torch.Tensor, num_slots: int, slot_blocks: int, device: torch.device,
+                 fast: bool = False):
+        """pool: the host KV blocks [2, layers, blocks, block_size, kv_heads, head_dim]; fast: attend with the
+        Triton paged decode kernel (kernels/paged_attention.py) instead of plain torch."""
         if num_slots < 1 or slot_blocks < 1:
             raise ValueError(f"an offload ring needs at least one slot of one block, not {num_slots} x {slot_blocks}")
-        self.pool, self.num_slots, self.slot_blocks = pool, num_slots, slot_blocks
+        self.pool, self.num_slots, self.slot_blocks, self.fast = pool, num_slots, slot_blocks, fast
         self.block_size = pool.shape[3]
         self.slots = torch.empty((num_slots, 2, 1, slot_blocks, *pool.shape[3:]), dtype=pool.dtype, device=device)
         self.streams = self.loaded = self.consumed = None
@@ -85,13 +90,42 @@ class OffloadEngine:
             if self.streams is not None:
                 torch.cuda.current_stream().wait_event(self.loaded[slot])
             tokens = min(length - j * self.slot_blocks * self.block_size, len(part) * self.block_size)
-            k, v = (self.slots[slot, kv, 0, :len(part)].flatten(0, 1)[:tokens] for kv in (0, 1))
-            part_out, part_lse = attention_with_lse(q, k, v, scale)
+            part_out, part_lse = self._attend_slot(q, slot, len(part), tokens, scale)
             if self.streams is not None:
                 self.consumed[slot].record()
             out, lse = (part_out, part_lse) if out is None else merge_attention_states(out, lse, part_out, part_lse)
             self._fill()
         return out, lse
+
+    def _attend_slot(self, q: torch.Tensor, slot: int, num_blocks: int, tokens: int, scale: float):
+        """Every row of q against the first `tokens` keys of a slot -> (out, lse), fp32."""
+        k_slot, v_slot = self.slots[slot, 0, 0], self.slots[slot, 1, 0]  # [slot_blocks, block_size, kv_heads, D]
+        if not self.fast:
+            return attention_with_lse(q, k_slot[:num_blocks].flatten(0, 1)[:tokens],
+                                      v_slot[:num_blocks].flatten(0, 1)[:tokens], scale)
+        from nanovllm.kernels.paged_attention import paged_decode
+
+        rows = q.shape[0]
+        tables = torch.arange(num_blocks, dtype=torch.int32, device=q.device).expand(rows, -1)
+        lens = torch.full((rows,), tokens, dtype=torch.int32, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        out = paged_decode(q, k_slot, v_slot, tables, lens, scale, 2, lse=lse)
+        return out.float(), lse
+
+    def _decode_resident(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """The decode rows (the first meta.num_decodes) against their resident blocks, in one paged decode ->
+        (out, lse), fp32: each row's block table starts past its offloaded blocks."""
+        from nanovllm.kernels.paged_attention import paged_decode
+
+        nd = meta.num_decodes
+        offloaded = torch.tensor([len(b) for b in meta.offloaded[:nd]], dtype=torch.int32)
+        width = meta.block_tables.shape[1]
+        columns = (torch.arange(width, dtype=torch.int32)[None, :] + offloaded[:, None]).clamp(max=width - 1)
+        tables = meta.block_tables[:nd].gather(1, columns.to(q.device, torch.int64)).contiguous()
+        lens = meta.seq_lens[:nd] - (offloaded * self.block_size).to(q.device)
+        lse = torch.empty((nd, q.shape[1]), dtype=torch.float32, device=q.device)
+        out = paged_decode(q[:nd], k_cache, v_cache, tables, lens, scale, 8, lse=lse)
+        return out.float(), lse
 
     def forward(self, layer: int, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """A layer's attention for a step where meta.offloaded names host blocks: the new K/V stored, then each
@@ -102,14 +136,18 @@ class OffloadEngine:
         store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
+        resident = self._decode_resident(q, k_cache, v_cache, meta, scale) if self.fast and meta.num_decodes else None
         for i, (seq_len, host_blocks) in enumerate(zip(meta.seq_lens_cpu, meta.offloaded)):
             s, e = starts[i], starts[i + 1]
             host_tokens = len(host_blocks) * self.block_size
-            table = meta.block_tables[i, len(host_blocks):-(-seq_len // self.block_size)].long()
-            keys, values = (cache[table].flatten(0, 1)[:seq_len - host_tokens] for cache in (k_cache, v_cache))
-            query_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
-            key_pos = torch.arange(host_tokens, seq_len, device=q.device)
-            part = attention_with_lse(q[s:e], keys, values, scale, key_pos[None, :] <= query_pos[:, None])
+            if resident is not None and i < meta.num_decodes:
+                part = resident[0][i:i + 1], resident[1][i:i + 1]
+            else:
+                table = meta.block_tables[i, len(host_blocks):-(-seq_len // self.block_size)].long()
+                keys, values = (cache[table].flatten(0, 1)[:seq_len - host_tokens] for cache in (k_cache, v_cache))
+                query_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
+                key_pos = torch.arange(host_tokens, seq_len, device=q.device)
+                part = attention_with_lse(q[s:e], keys, values, scale, key_pos[None, :] <= query_pos[:, None])
             if host_blocks:
                 part = merge_attention_states(*part, *self.attend(layer, q[s:e], host_blocks, host_tokens, scale))
             out[s:e] = part[0].to(out.dtype)
