@@ -136,6 +136,7 @@ def launch_everything():
         paged_decode(q, k_cache, v_cache, tables, lens, 0.088, splits)
         new_kv = (kv[:, 2048:3072].view(8, 8, 128), kv[:, 3072:].view(8, 8, 128), torch.arange(8))
         paged_decode(q, k_cache, v_cache, tables, lens, 0.088, splits, new_kv=new_kv)
+        paged_decode(q, k_cache, v_cache, tables, lens, 0.088, splits, lse=torch.empty(8, 16))  # offloaded KV
     starts = torch.arange(0, 9 * 8, 8, dtype=torch.int32)
     tile_tokens = prefill_tile_tokens(2)  # Qwen3-0.6B's group of 2 query heads a KV head
     tiles = torch.from_numpy(prefill_tiles([8] * 8, tile_tokens))
