@@ -141,6 +141,8 @@ def launch_everything():
     tile_tokens = prefill_tile_tokens(2)  # Qwen3-0.6B's group of 2 query heads a KV head
     tiles = torch.from_numpy(prefill_tiles([8] * 8, tile_tokens))
     paged_prefill(torch.randn(64, 16, 128, **bf16), k_cache, v_cache, tables, lens, starts, tiles, 0.088)
+    paged_prefill(torch.randn(64, 16, 128, **bf16), k_cache, v_cache, tables, lens, starts, tiles, 0.088,
+                  lse=torch.empty(64, 16))  # offloaded KV
     for type_name in KERNEL_TYPES:  # the quantized GEMV / GEMM at Llama-3-8B's widest shape
         fmt = BLOCK_FORMATS[type_name]
         weight = GGUFWeight.from_blocks(torch.zeros(1024, fmt.row_bytes(4096), dtype=torch.uint8), type_name, (1024, 4096))

@@ -205,16 +205,18 @@ def decode_workspace(num_seqs, num_heads, head_dim, num_splits, device):
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-                    tiles_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
-                    stride_bt, stride_tiles, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    D_PAD: tl.constexpr, PAGE: tl.constexpr, TILE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr, PDL: tl.constexpr):
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr,
+                    query_start_ptr, tiles_ptr, scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb,
+                    stride_cs, stride_ch, stride_bt, stride_tiles, num_heads, GROUP: tl.constexpr,
+                    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, PAGE: tl.constexpr,
+                    TILE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, LSE: tl.constexpr,
+                    PDL: tl.constexpr):
     """One program: TILE_TOKENS query tokens of one sequence x the GROUP query heads of one KV head, as the rows
     of one tile (token-major), so each key and value is read once for the whole group. Key tiles wholly before the
     query tile's first position need no causal mask: only the tiles from there on are masked (on the H100 1.08x
     faster at bench.py's prefill step, 1.12x at 8 x 4096 tokens of Llama-3-8B, with the same results; base-2
-    exponentials on top gained 1.16x more but moved the bf16 agreement with HF, so they are not used)."""
+    exponentials on top gained 1.16x more but moved the bf16 agreement with HF, so they are not used). LSE: each
+    row's log-sum-exp of its scores is stored too ([T, H], kvcache/offload_engine.py)."""
     wait_then_release(PDL)
     seq = tl.load(tiles_ptr + tl.program_id(0))
     if seq < 0:
@@ -252,21 +254,24 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok)
+    if LSE:
+        tl.store(lse_ptr + (q_start + token) * num_heads + head, m + tl.log(denom), mask=row_ok)
 
 
-def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tiles, scale, out=None):
+def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, tiles, scale, out=None, lse=None):
     """q: [T, H, D] (sequences concatenated) -> [T, H, D]; keys come from the cache. tiles: prefill_tiles(query
-    lengths, prefill_tile_tokens(query heads per KV head)) on the device, -1 entries skipped. 32-key tiles 2 stages
+    lengths, prefill_tile_tokens(query heads per KV head)) on the device, -1 entries skipped. lse: [T, H] fp32 to
+    fill with each row's log-sum-exp. 32-key tiles 2 stages
     deep: 108 vs 119 us (64 keys, 3 stages) for 16 x 512 new tokens of Qwen3-0.6B on the H100."""
     T, H, D = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     out = torch.empty_like(q) if out is None else out
     group = H // num_kv_heads
     _prefill_kernel[(tiles.shape[1], num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tiles, scale,
+        q, k_cache, v_cache, out, out if lse is None else lse, block_tables, seq_lens, query_start_loc, tiles, scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), block_tables.stride(0), tiles.stride(0), GROUP=group,
+        k_cache.stride(2), block_tables.stride(0), tiles.stride(0), H, GROUP=group,
         GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, D_PAD=triton.next_power_of_2(D), PAGE=page,
-        TILE_TOKENS=prefill_tile_tokens(group), BLOCK_N=32, PRECISION=_precision(q), num_warps=4, num_stages=2,
-        **pdl_launch(q.device))
+        TILE_TOKENS=prefill_tile_tokens(group), BLOCK_N=32, PRECISION=_precision(q), LSE=lse is not None,
+        num_warps=4, num_stages=2, **pdl_launch(q.device))
     return out

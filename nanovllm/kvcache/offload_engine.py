@@ -11,9 +11,9 @@ in order: the same code and bookkeeping, tested in CI.
 forward() is a step's attention where some sequence has offloaded blocks (the scheduler moves a sequence's leading
 blocks to the pool when the GPU runs out, engine/block_manager.offload): per sequence, its resident blocks from the
 device cache and its offloaded ones through the ring, merged. It runs eagerly. With `fast` (the Triton kernels on
-CUDA) the decode rows attend to their resident blocks in one paged decode and every row to each slot by the same
-kernel, both giving their log-sum-exp; prompt chunks attend to their resident part in plain torch (causal), as
-does every part without `fast` (attention/merge.py, the twin)."""
+CUDA) the rows attend to their resident blocks by the paged decode (decode rows) and the causal paged prefill (prompt
+chunks), and every row to each slot by the paged decode, each kernel giving its log-sum-exp; without it, plain
+torch (attention/merge.py, the twin)."""
 from collections import deque
 
 import torch
@@ -112,19 +112,35 @@ class OffloadEngine:
         out = paged_decode(q, k_slot, v_slot, tables, lens, scale, 2, lse=lse)
         return out.float(), lse
 
-    def _decode_resident(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        """The decode rows (the first meta.num_decodes) against their resident blocks, in one paged decode ->
-        (out, lse), fp32: each row's block table starts past its offloaded blocks."""
-        from nanovllm.kernels.paged_attention import paged_decode
-
-        nd = meta.num_decodes
-        offloaded = torch.tensor([len(b) for b in meta.offloaded[:nd]], dtype=torch.int32)
+    def _resident_tables(self, meta: AttentionMetadata, first: int, last: int, device):
+        """Block tables and context lengths of sequences first..last-1 past their offloaded blocks. The positions
+        of keys and queries both shift by the offloaded tokens, so the kernels' causal masks hold."""
+        offloaded = torch.tensor([len(b) for b in meta.offloaded[first:last]], dtype=torch.int32)
         width = meta.block_tables.shape[1]
         columns = (torch.arange(width, dtype=torch.int32)[None, :] + offloaded[:, None]).clamp(max=width - 1)
-        tables = meta.block_tables[:nd].gather(1, columns.to(q.device, torch.int64)).contiguous()
-        lens = meta.seq_lens[:nd] - (offloaded * self.block_size).to(q.device)
-        lse = torch.empty((nd, q.shape[1]), dtype=torch.float32, device=q.device)
-        out = paged_decode(q[:nd], k_cache, v_cache, tables, lens, scale, 8, lse=lse)
+        tables = meta.block_tables[first:last].gather(1, columns.to(device, torch.int64)).contiguous()
+        return tables, meta.seq_lens[first:last] - (offloaded * self.block_size).to(device)
+
+    def _attend_resident(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """Every row against its sequence's resident blocks, by the Triton kernels (a paged decode for the decode
+        rows, the causal paged prefill for prompt chunks) -> (out, lse), fp32."""
+        from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles
+        from nanovllm.kernels.paged_attention import paged_decode, paged_prefill
+
+        nd, b, starts = meta.num_decodes, meta.num_seqs, meta.query_start_loc_cpu
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        if nd:
+            tables, lens = self._resident_tables(meta, 0, nd, q.device)
+            paged_decode(q[:nd], k_cache, v_cache, tables, lens, scale, 8, out=out[:nd], lse=lse[:nd])
+        if nd < b:
+            tables, lens = self._resident_tables(meta, nd, b, q.device)
+            rows = slice(starts[nd], starts[b])
+            query_start = torch.tensor([s - starts[nd] for s in starts[nd:]], dtype=torch.int32, device=q.device)
+            group = q.shape[1] // k_cache.shape[2]
+            tiles = prefill_tiles([starts[i + 1] - starts[i] for i in range(nd, b)], prefill_tile_tokens(group))
+            paged_prefill(q[rows], k_cache, v_cache, tables, lens, query_start, torch.from_numpy(tiles).to(q.device),
+                          scale, out=out[rows], lse=lse[rows])
         return out.float(), lse
 
     def forward(self, layer: int, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -136,12 +152,12 @@ class OffloadEngine:
         store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
-        resident = self._decode_resident(q, k_cache, v_cache, meta, scale) if self.fast and meta.num_decodes else None
+        resident = self._attend_resident(q, k_cache, v_cache, meta, scale) if self.fast else None
         for i, (seq_len, host_blocks) in enumerate(zip(meta.seq_lens_cpu, meta.offloaded)):
             s, e = starts[i], starts[i + 1]
             host_tokens = len(host_blocks) * self.block_size
-            if resident is not None and i < meta.num_decodes:
-                part = resident[0][i:i + 1], resident[1][i:i + 1]
+            if resident is not None:
+                part = resident[0][s:e], resident[1][s:e]
             else:
                 table = meta.block_tables[i, len(host_blocks):-(-seq_len // self.block_size)].long()
                 keys, values = (cache[table].flatten(0, 1)[:seq_len - host_tokens] for cache in (k_cache, v_cache))
