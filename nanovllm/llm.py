@@ -133,12 +133,16 @@ class LLM:
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation (a list of {'role', 'content'} dicts) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tokenizer = self.get_tokenizer()
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                **(chat_template_kwargs or {}))
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids})
+        prompts = [self.chat_prompt(conversation, chat_template, add_generation_prompt, continue_final_message,
+                                    chat_template_kwargs) for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt(self, conversation: list[dict], chat_template: str | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict | None = None) -> dict:
+        """One conversation through the model's chat template: {"prompt": text, "prompt_token_ids": ids}."""
+        tokenizer = self.get_tokenizer()
+        text = tokenizer.apply_chat_template(
+            conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
