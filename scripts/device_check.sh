@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
-#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv]
+#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv|offload]
 # Slow tests (the bundled model, which the device cannot fetch) are left out. `tests` is tests1 then tests2;
 # together they take longer than one 10-minute device call (with flash_attn importable, ~190 tests ran in 540 s), so
 # a call runs one of them. tests2 alone is ~8-9 minutes (142 of test_triton_kernels.py's 240 tests ran in 300 s).
@@ -51,6 +51,14 @@ fi
 if [[ $what == peer ]]; then  # after scripts/build_llama_cpp.sh
   python3 scripts/peer_llama_cpp.py F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp.md" | tail -4
   python3 scripts/peer_llama_cpp.py --shape small F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp_small.md" | tail -4
+fi
+if [[ $what == offload ]]; then  # KV beyond the GPU and streamed weights (issues #42, #43); ~8 minutes
+  python3 bench_offload.py copies 2>&1 | grep -v INFO | tee "$OUT/bench_offload_copies.md" | tail -14
+  for len in 8192 32768; do
+    python3 bench_offload.py long --model qwen3-0.6b --prompt-len $len --gpu-tokens 2048 2>&1 | grep -v INFO \
+      | tee "$OUT/bench_offload_long_$len.md" | tail -3
+  done
+  python3 bench_offload.py weights --model llama3-8b 2>&1 | grep -v INFO | tee "$OUT/bench_offload_weights.md" | tail -10
 fi
 if [[ $what == big ]]; then
   python3 -m nanovllm.weights.synthetic llama3-8b /tmp/llama3-8b >/dev/null
