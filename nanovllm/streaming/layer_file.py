@@ -39,6 +39,8 @@ class LayerFile:
 
     def _open(self) -> int:
         if self.fd is None:
+            log_once("weights on disk are read by plain positional reads (through a pinned staging buffer on CUDA): "
+                     "kvikio / GPUDirect Storage is not used yet")
             try:
                 self.fd, self.direct = os.open(self.path, os.O_RDONLY | os.O_DIRECT), True
             except (AttributeError, OSError) as error:
