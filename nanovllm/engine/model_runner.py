@@ -225,7 +225,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         quant_config = get_quantization_config(mc.quantization, self.device, self.dtype, use_kernels=self.device.type
                                                == "cuda" and self.config.attention_backend != "torch")
-        # streamed weights are loaded in host memory: the device need not hold the whole model, even once
+        # streamed dense weights load in host memory: the device need not hold the whole model, even once (the
+        # quantized methods still make their weights on the device; they move to host memory when the streamer packs)
         build_on = "cpu" if self.config.cpu_offload_gb or self.config.disk_offload_gb else self.device
         try:
             with torch.device(build_on):
