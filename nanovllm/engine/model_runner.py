@@ -271,6 +271,8 @@ class ModelRunner:
             return
         # streamed layers' weights change place each step: F.linear reads them where they are
         streamed = self.streamer.module_ids() if self.streamer is not None else set()
+        if streamed:
+            log_once(f"the streamed decoder layers' linears run F.linear, not {method.__name__}")
         for module in self.model.modules():
             if isinstance(module, (LinearBase, LMHead)) and type(module.linear_method) is UnquantizedLinearMethod \
                     and id(module) not in streamed:
