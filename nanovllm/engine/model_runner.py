@@ -225,9 +225,11 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         quant_config = get_quantization_config(mc.quantization, self.device, self.dtype, use_kernels=self.device.type
                                                == "cuda" and self.config.attention_backend != "torch")
-        # streamed dense weights load in host memory: the device need not hold the whole model, even once (the
-        # quantized methods still make their weights on the device; they move to host memory when the streamer packs)
+        # with streamed layers the model loads in host memory (quantized layers too), so the device need not hold it
+        # whole, even once; what stays resident moves to the device after (_stream_layers)
         build_on = "cpu" if self.config.cpu_offload_gb or self.config.disk_offload_gb else self.device
+        if quant_config is not None and build_on == "cpu":
+            quant_config.load_device = torch.device("cpu")
         try:
             with torch.device(build_on):
                 model = get_model_class(self.hf_config)(self.hf_config, quant_config)
@@ -247,6 +249,10 @@ class ModelRunner:
         streamer = LayerStreamer.for_layers(list(self.model.model.layers), self.device, cfg.cpu_offload_gb,
                                             cfg.disk_offload_gb, cfg.offload_folder)
         self.model.to(self.device)
+        streamed = streamer.module_ids()
+        for module in self.model.modules():  # quantized blocks are no module tensors: .to() leaves them
+            if id(module) not in streamed and getattr(module, "qweights", None):
+                module.qweights = [(offset, weight.to(self.device)) for offset, weight in module.qweights]
         return streamer
 
     def _choose_linear_method(self):

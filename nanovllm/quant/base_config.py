@@ -19,6 +19,12 @@ class QuantizationConfig:
     # the embedding and LM head follow the checkpoint's own quantization (GGUF); False: they stay dense, as vLLM keeps
     # them for weights quantized at load
     quantize_embeddings = False
+    device: torch.device
+    load_device: torch.device | None = None  # where layers' weights are made at load (host memory when they stream)
+
+    @property
+    def weights_device(self) -> torch.device:
+        return self.load_device or self.device
 
     def linear_method(self):
         raise NotImplementedError

@@ -91,11 +91,11 @@ class GGUFLinearMethod(LinearMethod):
         types = {w.type_name if isinstance(w, GGUFWeight) else "dense" for _, w in pieces}
         path = "; ".join(self.config.path(t) if t != "dense" else "F32/F16 in the file: dense" for t in sorted(types))
         if types <= set(self.config.kept_types):
-            layer.qweights = _stack_same_types(pieces, self.config.device)
+            layer.qweights = _stack_same_types(pieces, self.config.weights_device)
             layer.weight = None
             return path
         dense = torch.cat([w.dequantize() if isinstance(w, GGUFWeight) else w for _, w in pieces])
-        layer.weight = nn.Parameter(dense.to(self.config.device, self.config.dtype), requires_grad=False)
+        layer.weight = nn.Parameter(dense.to(self.config.weights_device, self.config.dtype), requires_grad=False)
         layer.linear_method = UnquantizedLinearMethod()
         return path
 

@@ -62,8 +62,9 @@ class PerChannelLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(layer.output_size, layer.input_size, device="meta"),
                                     requires_grad=False)
         layer.register_buffer("qweight", torch.empty(layer.output_size, layer.input_size, dtype=c.qdtype,
-                                                     device=c.device))
-        layer.register_buffer("weight_scale", torch.empty(layer.output_size, dtype=torch.float32, device=c.device))
+                                                     device=c.weights_device))
+        layer.register_buffer("weight_scale", torch.empty(layer.output_size, dtype=torch.float32,
+                                                          device=c.weights_device))
         layer.bias = nn.Parameter(torch.empty(layer.output_size), requires_grad=False) if bias else None
 
     def load_weight(self, layer: nn.Module, param: nn.Parameter, loaded, shard_id=None):
