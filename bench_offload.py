@@ -1,7 +1,7 @@
 """KV cache beyond the GPU (issue #42), measured on CUDA.
 
     python bench_offload.py copies   # KV blocks between the GPU cache and a pinned host pool
-    python bench_offload.py long [--model qwen3-0.6b] [--prompt-len 8192] [--gpu-tokens 2048]
+    python bench_offload.py long [--model qwen3-0.6b] [--prompt-len 8192 32768] [--gpu-tokens 2048]
     python bench_offload.py weights [--model llama3-8b] [--batch-sizes 1 64]  # decoder layers streamed from host memory
 
 copies: whole blocks (every layer, K and V) of a Llama-3-8B-shape KV cache (32 layers, 8 KV heads of 128, bf16) moved
@@ -95,8 +95,19 @@ def generate_seconds(llm: LLM, prompt: list[int], max_tokens: int) -> float:
 
 def bench_long(args):
     model = resolve_model(args.model, torch.bfloat16)
-    prompt = [random.Random(0).randint(100, 500) for _ in range(args.prompt_len)]  # in every vocabulary
-    max_len = args.prompt_len + args.output_len + 16
+    bw = pinned_h2d_bandwidth()
+    print(f"\n| device | date | config |\n|---|---|---|\n| {torch.cuda.get_device_name()} | {datetime.date.today()} | "
+          f"{args.model}, bf16, one prompt + {args.output_len} greedy tokens; offloaded: GPU KV capped at "
+          f"{args.gpu_tokens:,} tokens; pinned H2D {bw / 1e9:.1f} GB/s |\n")
+    print("| prompt | run | prefill tok/s | vs resident | decode tok/s | vs resident | decode bound (offloaded KV / H2D) |"
+          "\n|---|---|---|---|---|---|---|")
+    for prompt_len in args.prompt_len:
+        long_rows(args, model, prompt_len, bw)
+
+
+def long_rows(args, model: str, prompt_len: int, bw: float):
+    prompt = [random.Random(0).randint(100, 500) for _ in range(prompt_len)]  # in every vocabulary
+    max_len = prompt_len + args.output_len + 16
     figures = {}
     for name in ("resident", "offloaded"):
         block_size = 16
@@ -107,21 +118,15 @@ def bench_long(args):
         prefill = generate_seconds(llm, prompt, 1)
         decode = (args.output_len - 1) / (generate_seconds(llm, prompt, args.output_len) - prefill)
         runner = llm.llm_engine.model_runner
-        figures[name] = (args.prompt_len / prefill, decode, runner.kv_bytes_per_token)
+        figures[name] = (prompt_len / prefill, decode, runner.kv_bytes_per_token)
         del llm, runner
         torch.cuda.empty_cache()
-    bw = pinned_h2d_bandwidth()
-    offloaded_tokens = args.prompt_len + args.output_len // 2 - args.gpu_tokens
+    offloaded_tokens = prompt_len + args.output_len // 2 - args.gpu_tokens
     bound = bw / (offloaded_tokens * figures["offloaded"][2])
     (pre_r, dec_r, _), (pre_o, dec_o, _) = figures["resident"], figures["offloaded"]
-    print(f"\n| device | date | config |\n|---|---|---|\n| {torch.cuda.get_device_name()} | {datetime.date.today()} | "
-          f"{args.model}, bf16, one prompt of {args.prompt_len:,} tokens + {args.output_len} greedy; offloaded: GPU "
-          f"KV capped at {args.gpu_tokens:,} tokens; pinned H2D {bw / 1e9:.1f} GB/s |\n")
-    print("| run | prefill tok/s | vs resident | decode tok/s | vs resident | decode bound (offloaded KV / H2D) |"
-          "\n|---|---|---|---|---|---|")
-    print(f"| resident | {pre_r:,.0f} | 1.00x | {dec_r:.1f} | 1.00x | |")
-    print(f"| offloaded | {pre_o:,.0f} | {pre_o / pre_r:.2f}x | {dec_o:.1f} | {dec_o / dec_r:.2f}x | {bound:.0f} tok/s "
-          f"({dec_o / bound:.0%}) |")
+    print(f"| {prompt_len:,} | resident | {pre_r:,.0f} | 1.00x | {dec_r:.1f} | 1.00x | |")
+    print(f"| {prompt_len:,} | offloaded | {pre_o:,.0f} | {pre_o / pre_r:.2f}x | {dec_o:.1f} | {dec_o / dec_r:.2f}x | "
+          f"{bound:.0f} tok/s ({dec_o / bound:.0%}) |", flush=True)
 
 
 def decode_tok_s(llm: LLM, batch: int, output_len: int) -> float:
@@ -175,7 +180,7 @@ def main():
     ap.add_argument("mode", choices=["copies", "long", "weights"])
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--prompt-len", type=int, default=8192)
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=[8192], help="long mode: one run each")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--gpu-tokens", type=int, default=2048)
     args = ap.parse_args()

@@ -54,10 +54,8 @@ if [[ $what == peer ]]; then  # after scripts/build_llama_cpp.sh
 fi
 if [[ $what == offload ]]; then  # KV beyond the GPU and streamed weights (issues #42, #43); ~8 minutes
   python3 bench_offload.py copies 2>&1 | grep -v INFO | tee "$OUT/bench_offload_copies.md" | tail -14
-  for len in 8192 32768; do
-    python3 bench_offload.py long --model qwen3-0.6b --prompt-len $len --gpu-tokens 2048 2>&1 | grep -v INFO \
-      | tee "$OUT/bench_offload_long_$len.md" | tail -3
-  done
+  python3 bench_offload.py long --model qwen3-0.6b --prompt-len 8192 32768 --gpu-tokens 2048 2>&1 | grep -v INFO \
+    | tee "$OUT/bench_offload_long.md" | tail -6
   python3 bench_offload.py weights --model llama3-8b 2>&1 | grep -v INFO | tee "$OUT/bench_offload_weights.md" | tail -10
 fi
 if [[ $what == big ]]; then
