@@ -84,11 +84,11 @@ def bench_copies(args):
         torch.cuda.empty_cache()
 
 
-def generate_seconds(llm: LLM, prompt: list[int], max_tokens: int) -> float:
+def generate_seconds(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -114,9 +114,9 @@ def long_rows(args, model: str, prompt_len: int, bw: float):
         kw = dict(num_gpu_blocks_override=args.gpu_tokens // block_size,
                   kv_offloading_size=max_len * (256 << 10) / (1 << 30)) if name == "offloaded" else {}  # 256 KB a token
         llm = LLM(model, max_model_len=max_len, block_size=block_size, enable_prefix_caching=False, **kw)
-        generate_seconds(llm, prompt[:512], 4)  # warm-up
-        prefill = generate_seconds(llm, prompt, 1)
-        decode = (args.output_len - 1) / (generate_seconds(llm, prompt, args.output_len) - prefill)
+        generate_seconds(llm, [prompt[:512]], 4)  # warm-up
+        prefill = generate_seconds(llm, [prompt], 1)
+        decode = (args.output_len - 1) / (generate_seconds(llm, [prompt], args.output_len) - prefill)
         runner = llm.llm_engine.model_runner
         figures[name] = (prompt_len / prefill, decode, runner.kv_bytes_per_token)
         del llm, runner
@@ -132,17 +132,8 @@ def long_rows(args, model: str, prompt_len: int, bw: float):
 def decode_tok_s(llm: LLM, batch: int, output_len: int) -> float:
     """Output tok/s of `batch` 128-token prompts decoding output_len tokens, the prefill's time taken out."""
     prompts = [[random.Random(i).randint(100, 500) for _ in range(128)] for i in range(batch)]
-
-    def seconds(max_tokens: int) -> float:
-        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    seconds(2)  # warm-up
-    return batch * (output_len - 1) / (seconds(output_len) - seconds(1))
+    generate_seconds(llm, prompts, 2)  # warm-up
+    return batch * (output_len - 1) / (generate_seconds(llm, prompts, output_len) - generate_seconds(llm, prompts, 1))
 
 
 def bench_weights(args):

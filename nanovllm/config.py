@@ -61,7 +61,7 @@ class Config:
     # kept-quantized path is slower; "gguf": kept quantized on either; "none": dense; "fp8", "int8", "int4": a
     # 16-bit checkpoint quantized at load (quant/quantize.py says how)
     quantization: str | None = None
-    kv_offloading_size: float | None = None  # GiB of host memory for KV blocks (swap preemption so far); None: none
+    kv_offloading_size: float | None = None  # GiB of host memory for KV blocks (docs/offloading.md); None: none
     kv_offloading_backend: str | None = None  # "native" (the only one) or None
     cpu_offload_gb: float = 0  # GiB of decoder-layer weights held in host memory and streamed in (vLLM's name)
     disk_offload_gb: float = 0  # GiB of decoder-layer weights read from a file in offload_folder as they run

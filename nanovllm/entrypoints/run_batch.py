@@ -13,6 +13,11 @@ from tqdm import tqdm
 
 from nanovllm.entrypoints.openai_batch import CHAT, BadRequest, BatchRequest, error_line, output_line, parse_request
 
+# LLM() arguments that the command passes on, each as --name-with-dashes
+ENGINE_ARGS = (("tokenizer", str), ("dtype", str), ("device", str), ("max_model_len", int), ("max_num_seqs", int),
+               ("gpu_memory_utilization", float), ("quantization", str), ("seed", int), ("kv_offloading_size", float),
+               ("cpu_offload_gb", float))
+
 
 def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("-i", "--input-file", required=True, help="the OpenAI batch file (JSONL)")
@@ -22,10 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--served-model-name", default=None, help="the model name in the results (default: --model)")
     parser.add_argument("--chunk-size", type=int, default=1024,
                         help="requests a generate call: a stopped job loses at most one chunk's work")
-    for flag, kind in (("--tokenizer", str), ("--dtype", str), ("--device", str), ("--max-model-len", int),
-                       ("--max-num-seqs", int), ("--gpu-memory-utilization", float), ("--quantization", str),
-                       ("--seed", int), ("--kv-offloading-size", float), ("--cpu-offload-gb", float)):
-        parser.add_argument(flag, type=kind, default=None, help="as LLM()'s argument of that name")
+    for name, kind in ENGINE_ARGS:
+        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
+                            help="as LLM()'s argument of that name")
     parser.add_argument("--enforce-eager", action="store_true")
 
 
@@ -63,10 +67,8 @@ def run(args) -> int:
 def make_llm(args):
     from nanovllm import LLM  # heavy: after the input is read and checked
 
-    names = ("tokenizer", "dtype", "device", "max_model_len", "max_num_seqs", "gpu_memory_utilization",
-             "quantization", "seed", "kv_offloading_size", "cpu_offload_gb")
     return LLM(args.model, enforce_eager=args.enforce_eager,
-               **{name: getattr(args, name) for name in names if getattr(args, name) is not None})
+               **{name: getattr(args, name) for name, _ in ENGINE_ARGS if getattr(args, name) is not None})
 
 
 def read_written(path: str, key: str) -> set:
