@@ -3,10 +3,10 @@
 Each slot holds `slot_blocks` blocks of one layer (K and V). For a sequence whose context blocks are in the pool,
 attend() attends to them a slot at a time as they land and merges the parts by their log-sum-exp
 (attention/merge.py). The loads run ahead in the order the parts are read (plan(): a step's every layer and
-sequence), so that while slot k is attended to the next slots fill, across layers. On CUDA each slot has its own transfer
-stream and two events: "loaded" (the compute stream waits on it before attending) and "consumed" (the transfer stream
-waits on it before it overwrites the slot); copies go by sgDMA. On CPU the slots are host tensors and the copies run
-in order: the same code and bookkeeping, tested in CI.
+sequence), so that while slot k is attended to the next slots fill, across layers. On CUDA each slot has its own
+transfer stream and two events: "loaded" (the compute stream waits on it before attending) and "consumed" (the
+transfer stream waits on it before it overwrites the slot); copies go by sgDMA. On CPU the slots are host tensors
+and the copies run in order: the same code and bookkeeping, tested in CI.
 
 forward() is a step's attention where some sequence has offloaded blocks (the scheduler moves a sequence's leading
 blocks to the pool when the GPU runs out, engine/block_manager.offload): per sequence, its resident blocks from the
@@ -121,26 +121,38 @@ class OffloadEngine:
         tables = meta.block_tables[first:last].gather(1, columns.to(device, torch.int64)).contiguous()
         return tables, meta.seq_lens[first:last] - (offloaded * self.block_size).to(device)
 
+    def _resident_inputs(self, meta: AttentionMetadata, group: int, device) -> tuple:
+        """The kernels' inputs for the resident blocks, the same for every layer of the step (computed at the first,
+        kept in meta.scratch): the decode rows' (tables, lens), and the prompt chunks' (tables, lens, query starts,
+        tiles) or None."""
+        if "offload_resident" not in meta.scratch:
+            from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles
+
+            nd, b, starts = meta.num_decodes, meta.num_seqs, meta.query_start_loc_cpu
+            decodes = self._resident_tables(meta, 0, nd, device) if nd else None
+            prefills = None
+            if nd < b:
+                query_start = torch.tensor([s - starts[nd] for s in starts[nd:]], dtype=torch.int32, device=device)
+                tiles = prefill_tiles([starts[i + 1] - starts[i] for i in range(nd, b)], prefill_tile_tokens(group))
+                prefills = (*self._resident_tables(meta, nd, b, device), query_start,
+                            torch.from_numpy(tiles).to(device))
+            meta.scratch["offload_resident"] = decodes, prefills
+        return meta.scratch["offload_resident"]
+
     def _attend_resident(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         """Every row against its sequence's resident blocks, by the Triton kernels (a paged decode for the decode
         rows, the causal paged prefill for prompt chunks) -> (out, lse), fp32."""
-        from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles
         from nanovllm.kernels.paged_attention import paged_decode, paged_prefill
 
-        nd, b, starts = meta.num_decodes, meta.num_seqs, meta.query_start_loc_cpu
+        nd, starts = meta.num_decodes, meta.query_start_loc_cpu
+        decodes, prefills = self._resident_inputs(meta, q.shape[1] // k_cache.shape[2], q.device)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        if nd:
-            tables, lens = self._resident_tables(meta, 0, nd, q.device)
-            paged_decode(q[:nd], k_cache, v_cache, tables, lens, scale, 8, out=out[:nd], lse=lse[:nd])
-        if nd < b:
-            tables, lens = self._resident_tables(meta, nd, b, q.device)
-            rows = slice(starts[nd], starts[b])
-            query_start = torch.tensor([s - starts[nd] for s in starts[nd:]], dtype=torch.int32, device=q.device)
-            group = q.shape[1] // k_cache.shape[2]
-            tiles = prefill_tiles([starts[i + 1] - starts[i] for i in range(nd, b)], prefill_tile_tokens(group))
-            paged_prefill(q[rows], k_cache, v_cache, tables, lens, query_start, torch.from_numpy(tiles).to(q.device),
-                          scale, out=out[rows], lse=lse[rows])
+        if decodes is not None:
+            paged_decode(q[:nd], k_cache, v_cache, *decodes, scale, 8, out=out[:nd], lse=lse[:nd])
+        if prefills is not None:
+            rows = slice(starts[nd], starts[meta.num_seqs])
+            paged_prefill(q[rows], k_cache, v_cache, *prefills, scale, out=out[rows], lse=lse[rows])
         return out.float(), lse
 
     def forward(self, layer: int, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
