@@ -11,14 +11,19 @@ host to device and back, against the pinned host-to-device bandwidth of a contig
 long: one prompt of --prompt-len tokens and --output-len greedy tokens, with every block on the GPU and with the GPU
 capped at --gpu-tokens of KV (the rest offloaded to the host pool): prefill and decode tok/s, each against the
 resident run, and decode against its bound (the offloaded KV bytes a step over the pinned H2D bandwidth).
+Prompts past the model's context stretch it by YaRN (config.json's rope_scaling).
 
 weights: decode tok/s at each batch size with the decoder layers' weights resident, and with 25% / 50% / 75% of them
 in pinned host memory (cpu_offload_gb), each against the resident run and against its bound: the streamed bytes a
 step over the pinned H2D bandwidth."""
 import argparse
 import datetime
+import gc
+import json
+import math
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -42,7 +47,8 @@ def seconds(fn, repeat: int = 5) -> float:
 def pinned_h2d_bandwidth() -> float:
     host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
     device = torch.empty_like(host, device="cuda")
-    return host.numel() / seconds(lambda: device.copy_(host, non_blocking=True))
+    # the best of several copies: a single figure has come out 20% low on a machine whose copies ran at full speed
+    return host.numel() / min(seconds(lambda: device.copy_(host, non_blocking=True), repeat=1) for _ in range(8))
 
 
 def kv_cache(blocks: int, block_size: int, host: bool) -> torch.Tensor:
@@ -81,6 +87,7 @@ def bench_copies(args):
                       f"{nbytes / t_torch / 1e9:.1f} | {nbytes / t_flat / 1e9:.1f} | {nbytes / t_sg / bound:.0%} |",
                       flush=True)
         del gpu, pool, flat_host, flat_gpu
+        gc.collect()  # the streamer's hooks and the model hold each other
         torch.cuda.empty_cache()
 
 
@@ -101,8 +108,21 @@ def bench_long(args):
           f"{args.gpu_tokens:,} tokens; pinned H2D {bw / 1e9:.1f} GB/s |\n")
     print("| prompt | run | prefill tok/s | vs resident | decode tok/s | vs resident | decode bound (offloaded KV / H2D) |"
           "\n|---|---|---|---|---|---|---|")
+    stretch_context(model, max(args.prompt_len) + args.output_len + 16)
     for prompt_len in args.prompt_len:
         long_rows(args, model, prompt_len, bw)
+
+
+def stretch_context(model: str, max_len: int):
+    """Where the config's context is shorter than max_len, YaRN stretches it (config.json's rope_scaling, as Qwen's
+    docs set it for 128K contexts)."""
+    path = Path(model) / "config.json"
+    config = json.loads(path.read_text())
+    native = config["max_position_embeddings"]
+    if max_len > native and not config.get("rope_scaling"):
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": float(math.ceil(max_len / native)),
+                                  "original_max_position_embeddings": native}
+        path.write_text(json.dumps(config))
 
 
 def long_rows(args, model: str, prompt_len: int, bw: float):
@@ -114,12 +134,13 @@ def long_rows(args, model: str, prompt_len: int, bw: float):
         kw = dict(num_gpu_blocks_override=args.gpu_tokens // block_size,
                   kv_offloading_size=max_len * (256 << 10) / (1 << 30)) if name == "offloaded" else {}  # 256 KB a token
         llm = LLM(model, max_model_len=max_len, block_size=block_size, enable_prefix_caching=False, **kw)
-        generate_seconds(llm, [prompt[:512]], 4)  # warm-up
+        generate_seconds(llm, [prompt[:3 * args.gpu_tokens]], 2)  # warm-up, offloaded steps' kernels included
         prefill = generate_seconds(llm, [prompt], 1)
         decode = (args.output_len - 1) / (generate_seconds(llm, [prompt], args.output_len) - prefill)
         runner = llm.llm_engine.model_runner
         figures[name] = (prompt_len / prefill, decode, runner.kv_bytes_per_token)
         del llm, runner
+        gc.collect()  # the streamer's hooks and the model hold each other
         torch.cuda.empty_cache()
     offloaded_tokens = prompt_len + args.output_len // 2 - args.gpu_tokens
     bound = bw / (offloaded_tokens * figures["offloaded"][2])
@@ -146,6 +167,7 @@ def bench_weights(args):
         layers_bytes = sum(p.numel() * p.element_size() for p in runner.model.model.layers.parameters())
         if share:
             del llm, runner
+            gc.collect()  # the streamer's hooks and the model hold each other
             torch.cuda.empty_cache()
             llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, gpu_memory_utilization=0.5,
                       cpu_offload_gb=share * layers_bytes / (1 << 30))
@@ -158,6 +180,7 @@ def bench_weights(args):
             rows.append(f"| {share:.0%} ({streamed / 1e9:.1f} GB) | {batch} | {tps:,.1f} | {tps / resident[batch]:.2f}x "
                         f"| {bound} |")
         del llm, runner
+        gc.collect()  # the streamer's hooks and the model hold each other
         torch.cuda.empty_cache()
     print(f"\n| device | date | config |\n|---|---|---|\n| {torch.cuda.get_device_name()} | {datetime.date.today()} | "
           f"{args.model}, bf16, 128-token prompts, {args.output_len} greedy tokens; pinned H2D {bw / 1e9:.1f} GB/s |\n")

@@ -139,3 +139,15 @@ def test_context_beyond_the_device_blocks_runs_offloaded(tiny_model_dir, prefix_
 def test_without_a_host_pool_the_device_must_hold_max_model_len(tiny_model_dir):
     with pytest.raises(ValueError, match="fewer than max_model_len=512"):
         LLM(tiny_model_dir("tiny-llama"), device=DEVICE, max_model_len=512, block_size=16, num_gpu_blocks_override=6)
+
+
+def test_offloaded_blocks_stay_ascending_runs_after_the_pool_is_reused():
+    """sgDMA copies a run of consecutive pool blocks in one call: a sequence offloaded in pieces, one released and
+    the next offloaded again, gets ascending runs each time (released blocks once came back descending)."""
+    from nanovllm.kvcache.host_pool import HostKVPool
+
+    pool = HostKVPool(torch.zeros(2, 1, 8, 4, 1, 2), 16, flops_per_token=1.0)
+    for _ in range(3):
+        taken = pool.swap_out(list(range(6))) + pool.swap_out([6]) + pool.swap_out([7])
+        assert taken == list(range(taken[0], taken[0] + 8)), taken
+        pool.release(taken)

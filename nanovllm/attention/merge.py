@@ -26,8 +26,22 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return out, lse
 
 
-def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
-    """The attention over the union of two parts' keys from each part's (out [Lq, H, D], lse [Lq, H])."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    out = out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
-    return out, lse
+def fused_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """attention_with_lse without a mask by torch's fused CUDA kernels: flash attention in fp16 / bf16, the
+    memory-efficient one in fp32."""
+    group = q.shape[1] // k.shape[1]
+    query = q.transpose(0, 1)[None]
+    keys, values = (x.transpose(0, 1).repeat_interleave(group, dim=0)[None] for x in (k, v))
+    if q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, keys, values, scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(query, keys, values, None, True,
+                                                                           scale=scale)[:2]
+    return out[0].transpose(0, 1).float(), lse[0, :, :q.shape[0]].transpose(0, 1)
+
+
+def merge_parts(outs: torch.Tensor, lses: torch.Tensor):
+    """The attention over the union of the parts' keys from each part's (out, lse): outs [parts, Lq, H, D], lses
+    [parts, Lq, H]."""
+    lse = torch.logsumexp(lses, dim=0)
+    return (outs * torch.exp(lses - lse)[..., None]).sum(dim=0), lse

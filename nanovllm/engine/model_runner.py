@@ -13,7 +13,7 @@ from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.sequence import Sequence
 from nanovllm.host_memory import require_host_memory
 from nanovllm.kvcache.host_pool import HostKVPool
-from nanovllm.kvcache.offload_engine import OFFLOAD_SLOT_TOKENS, OFFLOAD_SLOTS, OffloadEngine
+from nanovllm.kvcache.offload_engine import OFFLOAD_SLOT_BYTES, OFFLOAD_SLOTS, OffloadEngine, slot_blocks
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import LMHead
@@ -345,6 +345,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
+        if self.config.kv_offloading_size is not None:
+            budget -= OFFLOAD_SLOTS * OFFLOAD_SLOT_BYTES  # the ring the offloaded KV streams through
         num_blocks = int(budget // self.kv_bytes_per_block())
         if num_blocks < 1:
             gib = 1 << 30
@@ -407,7 +409,7 @@ class ModelRunner:
         q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
         layer_params = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
         host_pool = HostKVPool(self.kv_cache, num_blocks, 2 * c.num_hidden_layers * layer_params)
-        engine = OffloadEngine(host_pool.pool, OFFLOAD_SLOTS, max(1, OFFLOAD_SLOT_TOKENS // self.block_size),
+        engine = OffloadEngine(host_pool.pool, OFFLOAD_SLOTS, slot_blocks(host_pool.pool),
                                self.device, fast=self.fast_kernels)
         for i, attn in enumerate(self.attention_layers):
             attn.layer_index, attn.offload_engine = i, engine

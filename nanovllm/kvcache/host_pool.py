@@ -76,7 +76,7 @@ class HostKVPool:
         """Copy these device blocks into free pool blocks and return those, or None where the pool lacks room."""
         if len(device_blocks) > self.num_free_blocks:
             return None
-        pool_blocks = [self._take_block() for _ in device_blocks]
+        pool_blocks = sorted(self._take_block() for _ in device_blocks)  # ascending: a run copies in one call
         self._copy_out(device_blocks, pool_blocks)
         return pool_blocks
 
@@ -86,7 +86,7 @@ class HostKVPool:
         self.release(pool_blocks)
 
     def release(self, pool_blocks: list[int]):
-        self.free_blocks.extend(pool_blocks)
+        self.free_blocks.extend(reversed(pool_blocks))  # popped from the end: taken again in their order
 
     def store_prefix(self, block_hash: int, token_ids: tuple[int, ...], device_block: int):
         """Keep the KV of a prefix-cache block that the device is about to reuse (nothing where swapped sequences

@@ -18,13 +18,23 @@ from collections import deque
 
 import torch
 
-from nanovllm.attention.merge import attention_with_lse, merge_attention_states
+from nanovllm.attention.merge import attention_with_lse, fused_attention_with_lse, merge_parts
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.torch_backend import store_kv_reference
 from nanovllm.comm.sgdma import copy_blocks
 
 OFFLOAD_SLOTS = 3  # slots loading while one is attended to
-OFFLOAD_SLOT_TOKENS = 4096  # tokens a slot holds (of one layer)
+# the KV bytes a slot holds (of one layer): the link waits while the host launches a part's work, so fewer, larger
+# parts keep it busier (H100, Qwen3-0.6B shape at 32K, decode ms a step: 16 MiB 110-200, 64 MiB 85-130, 128 MiB
+# 67-89 against the link's 65)
+OFFLOAD_SLOT_BYTES = 128 << 20
+PAGED_DECODE_ROWS = 8  # a sequence's rows that attend to a slot by the paged decode; more (a prompt chunk) go by
+# torch's fused attention, whose query tiles share each key tile (the decode kernel reads the slot once a row)
+
+
+def slot_blocks(pool: torch.Tensor) -> int:
+    """Blocks of one layer (K and V) that fill OFFLOAD_SLOT_BYTES, or the whole pool where it is smaller."""
+    return max(1, min(pool.shape[2], OFFLOAD_SLOT_BYTES // (pool[:, 0, 0].numel() * pool.element_size())))
 
 
 class OffloadEngine:
@@ -39,6 +49,8 @@ class OffloadEngine:
         self.block_size = pool.shape[3]
         self.slots = torch.empty((num_slots, 2, 1, slot_blocks, *pool.shape[3:]), dtype=pool.dtype, device=device)
         self.streams = self.loaded = self.consumed = None
+        self.slot_tables = torch.arange(slot_blocks, dtype=torch.int32, device=device)[None, :]
+        self.slot_lens: dict[tuple[int, int], torch.Tensor] = {}  # (rows, tokens) -> lens, for the current step
         self.pending: deque[tuple[int, list[int]]] = deque()  # (layer, blocks) parts planned, not loading yet
         self.in_ring: deque[tuple[int, int, list[int]]] = deque()  # (slot, layer, blocks) loading or loaded
         self.next_slot = 0
@@ -64,7 +76,7 @@ class OffloadEngine:
 
     def plan(self, loads: list[tuple[int, list[int]]]):
         """The (layer, blocks) parts that the next attend() calls read, in their order; loading starts now."""
-        self.pending, self.in_ring = deque(loads), deque()
+        self.pending, self.in_ring, self.slot_lens = deque(loads), deque(), {}
         self._fill()
 
     def _fill(self):
@@ -74,43 +86,51 @@ class OffloadEngine:
             self._load(slot, layer, blocks)
             self.in_ring.append((slot, layer, blocks))
 
-    def attend(self, layer: int, q: torch.Tensor, blocks: list[int], length: int, scale: float):
+    def attend(self, layer: int, q: torch.Tensor, blocks: list[int], length: int, scale: float,
+               resident: tuple[torch.Tensor, torch.Tensor] | None = None):
         """q [Lq, H, D] against the first `length` tokens held in pool blocks `blocks` of this layer, every token
-        visible to every query -> (out [Lq, H, D], lse [Lq, H]) in fp32, to merge with the GPU-resident part.
-        Parts not planned are loaded now."""
+        visible to every query -> (out [Lq, H, D], lse [Lq, H]) in fp32, merged with `resident` (the same rows'
+        (out, lse) over their GPU-resident keys) where given. Parts not planned are loaded now."""
         if length <= 0 or -(-length // self.block_size) != len(blocks):
             raise ValueError(f"{length} tokens are not held by {len(blocks)} blocks of {self.block_size}")
         parts = self.parts(blocks)
         if not self.in_ring or self.in_ring[0][1:] != (layer, parts[0]):
             self.plan([(layer, part) for part in parts])
-        out = lse = None
+        count = len(parts) + (resident is not None)
+        outs = torch.empty((count, *q.shape), dtype=torch.float32, device=q.device)
+        lses = torch.empty((count, *q.shape[:2]), dtype=torch.float32, device=q.device)
         for j, part in enumerate(parts):
             slot, *planned = self.in_ring.popleft()
             assert planned == [layer, part], "attend() calls left the planned order"
             if self.streams is not None:
                 torch.cuda.current_stream().wait_event(self.loaded[slot])
             tokens = min(length - j * self.slot_blocks * self.block_size, len(part) * self.block_size)
-            part_out, part_lse = self._attend_slot(q, slot, len(part), tokens, scale)
+            self._attend_slot(q, slot, len(part), tokens, scale, outs[j], lses[j])
             if self.streams is not None:
                 self.consumed[slot].record()
-            out, lse = (part_out, part_lse) if out is None else merge_attention_states(out, lse, part_out, part_lse)
             self._fill()
-        return out, lse
+        if resident is not None:
+            outs[-1], lses[-1] = resident
+        return merge_parts(outs, lses)
 
-    def _attend_slot(self, q: torch.Tensor, slot: int, num_blocks: int, tokens: int, scale: float):
-        """Every row of q against the first `tokens` keys of a slot -> (out, lse), fp32."""
+    def _attend_slot(self, q: torch.Tensor, slot: int, num_blocks: int, tokens: int, scale: float,
+                     out: torch.Tensor, lse: torch.Tensor):
+        """Every row of q against the first `tokens` keys of a slot, into out and lse (fp32)."""
         k_slot, v_slot = self.slots[slot, 0, 0], self.slots[slot, 1, 0]  # [slot_blocks, block_size, kv_heads, D]
-        if not self.fast:
-            return attention_with_lse(q, k_slot[:num_blocks].flatten(0, 1)[:tokens],
-                                      v_slot[:num_blocks].flatten(0, 1)[:tokens], scale)
+        rows = q.shape[0]
+        if not self.fast or (q.is_cuda and rows > PAGED_DECODE_ROWS):
+            attend = attention_with_lse if not self.fast else fused_attention_with_lse
+            out[:], lse[:] = attend(q, k_slot[:num_blocks].flatten(0, 1)[:tokens],
+                                    v_slot[:num_blocks].flatten(0, 1)[:tokens], scale)
+            return
         from nanovllm.kernels.paged_attention import paged_decode
 
-        rows = q.shape[0]
-        tables = torch.arange(num_blocks, dtype=torch.int32, device=q.device).expand(rows, -1)
-        lens = torch.full((rows,), tokens, dtype=torch.int32, device=q.device)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        out = paged_decode(q, k_slot, v_slot, tables, lens, scale, 2, lse=lse)
-        return out.float(), lse
+        if (rows, tokens) not in self.slot_lens:
+            self.slot_lens[rows, tokens] = torch.full((rows,), tokens, dtype=torch.int32, device=q.device)
+        # a slot is a long context for a few rows: more splits keep the SMs busy
+        splits = min(32, max(2, 1 << (tokens // 1024).bit_length()))
+        paged_decode(q, k_slot, v_slot, self.slot_tables.expand(rows, -1), self.slot_lens[rows, tokens], scale,
+                     splits, out=out, lse=lse)
 
     def _resident_tables(self, meta: AttentionMetadata, first: int, last: int, device):
         """Block tables and context lengths of sequences first..last-1 past their offloaded blocks. The positions
@@ -177,6 +197,6 @@ class OffloadEngine:
                 key_pos = torch.arange(host_tokens, seq_len, device=q.device)
                 part = attention_with_lse(q[s:e], keys, values, scale, key_pos[None, :] <= query_pos[:, None])
             if host_blocks:
-                part = merge_attention_states(*part, *self.attend(layer, q[s:e], host_blocks, host_tokens, scale))
+                part = self.attend(layer, q[s:e], host_blocks, host_tokens, scale, resident=part)
             out[s:e] = part[0].to(out.dtype)
         return out
