@@ -14,13 +14,15 @@ resident run, and decode against its bound (the offloaded KV bytes a step over t
 Prompts past the model's context stretch it by YaRN (config.json's rope_scaling).
 
 weights: decode tok/s at each batch size with the decoder layers' weights resident, and with 25% / 50% / 75% of them
-in pinned host memory (cpu_offload_gb), each against the resident run and against its bound: the streamed bytes a
-step over the pinned H2D bandwidth."""
+in pinned host memory (cpu_offload_gb) or 25% on disk (disk_offload_gb), each against the resident run and against
+its bound: the streamed bytes a step over each tier's bandwidth (pinned H2D; the disk's, read back as the streamer
+reads it, O_DIRECT where the file system allows). --model llama3-8b:Q4_K streams GGUF layers kept quantized."""
 import argparse
 import datetime
 import gc
 import json
 import math
+import os
 import random
 import time
 from pathlib import Path
@@ -30,6 +32,7 @@ import torch
 from bench import resolve_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.comm import sgdma
+from nanovllm.streaming.layer_streamer import streamed_bytes
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -157,35 +160,60 @@ def decode_tok_s(llm: LLM, batch: int, output_len: int) -> float:
     return batch * (output_len - 1) / (generate_seconds(llm, prompts, output_len) - generate_seconds(llm, prompts, 1))
 
 
+def disk_bandwidth(streamer) -> float:
+    """Bytes a second of reading the streamer's disk layers back as it does (O_DIRECT where allowed), the best of
+    three passes."""
+    layers = sorted(streamer.disk)
+    passes = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for index in layers:
+            streamer.layer_file.read_into(index, streamer.staging[0])
+        passes.append(time.perf_counter() - start)
+    return sum(streamer.sizes[i] for i in layers) / min(passes)
+
+
+def weights_rows(args, model: str, layers_bytes: int, bw: float, resident: dict, host: float, disk: float) -> list:
+    gib = layers_bytes / (1 << 30)
+    llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, gpu_memory_utilization=0.5,
+              cpu_offload_gb=host * gib, disk_offload_gb=disk * gib)
+    streamer, rows = llm.llm_engine.model_runner.streamer, []
+    disk_bytes = sum(streamer.sizes[i] for i in streamer.disk) if streamer and streamer.disk else 0
+    host_bytes = (sum(streamer.sizes.values()) if streamer else 0) - disk_bytes
+    disk_bw = disk_bandwidth(streamer) if disk_bytes else None
+    step_bound = host_bytes / bw + (disk_bytes / disk_bw if disk_bytes else 0)  # seconds a step, one sequence or many
+    where = f"{host:.0%} host ({host_bytes / 1e9:.1f} GB)" + (f", {disk:.0%} disk ({disk_bytes / 1e9:.1f} GB at "
+                                                               f"{disk_bw / 1e9:.2f} GB/s, O_DIRECT "
+                                                               f"{'on' if streamer.layer_file.direct else 'off'})"
+                                                               if disk_bytes else "")
+    for batch in args.batch_sizes:
+        tps = decode_tok_s(llm, batch, min(args.output_len, 8) if disk_bytes else args.output_len)  # disk: seconds a step
+        resident.setdefault(batch, tps)
+        bound = f"{batch / step_bound:,.1f} tok/s ({tps * step_bound / batch:.0%})" if step_bound else ""
+        rows.append(f"| {where} | {batch} | {tps:,.1f} | {tps / resident[batch]:.2f}x | {bound} |")
+    del llm, streamer
+    gc.collect()  # the streamer's hooks and the model hold each other
+    torch.cuda.empty_cache()
+    return rows
+
+
 def bench_weights(args):
-    model = resolve_model(args.model, torch.bfloat16)
+    model = resolve_model(args.model, torch.bfloat16, os.environ.get("NANOVLLM_TOKENIZER_GGUF"))
     bw = pinned_h2d_bandwidth()
+    llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, gpu_memory_utilization=0.5)
+    layers = llm.llm_engine.model_runner.model.model.layers
+    layers_bytes = sum(streamed_bytes(list(layers)))
+    del llm, layers
+    gc.collect()
+    torch.cuda.empty_cache()
     rows, resident = [], {}
-    for share in (0, 0.25, 0.5, 0.75):
-        llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, gpu_memory_utilization=0.5)
-        runner = llm.llm_engine.model_runner
-        layers_bytes = sum(p.numel() * p.element_size() for p in runner.model.model.layers.parameters())
-        if share:
-            del llm, runner
-            gc.collect()  # the streamer's hooks and the model hold each other
-            torch.cuda.empty_cache()
-            llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, gpu_memory_utilization=0.5,
-                      cpu_offload_gb=share * layers_bytes / (1 << 30))
-            runner = llm.llm_engine.model_runner
-        streamed = 0 if runner.streamer is None else sum(runner.streamer.sizes.values())
-        for batch in args.batch_sizes:
-            tps = decode_tok_s(llm, batch, args.output_len)
-            resident.setdefault(batch, tps)
-            bound = f"{batch * bw / streamed:,.0f} tok/s ({tps * streamed / (batch * bw):.0%})" if streamed else ""
-            rows.append(f"| {share:.0%} ({streamed / 1e9:.1f} GB) | {batch} | {tps:,.1f} | {tps / resident[batch]:.2f}x "
-                        f"| {bound} |")
-        del llm, runner
-        gc.collect()  # the streamer's hooks and the model hold each other
-        torch.cuda.empty_cache()
+    for host, disk in args.placements:
+        rows += weights_rows(args, model, layers_bytes, bw, resident, host, disk)
     print(f"\n| device | date | config |\n|---|---|---|\n| {torch.cuda.get_device_name()} | {datetime.date.today()} | "
-          f"{args.model}, bf16, 128-token prompts, {args.output_len} greedy tokens; pinned H2D {bw / 1e9:.1f} GB/s |\n")
-    print("| decoder weights in host memory | batch | decode tok/s | vs resident | bound (streamed bytes a step / H2D) |"
-          "\n|---|---|---|---|---|")
+          f"{args.model} ({layers_bytes / 1e9:.1f} GB of decoder layers), 128-token prompts, {args.output_len} greedy "
+          f"tokens; pinned H2D {bw / 1e9:.1f} GB/s |\n")
+    print("| decoder weights streamed from | batch | decode tok/s | vs resident | bound (streamed bytes a step / each "
+          "tier's bandwidth) |\n|---|---|---|---|---|")
     print("\n".join(rows))
 
 
@@ -197,6 +225,9 @@ def main():
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[8192], help="long mode: one run each")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--gpu-tokens", type=int, default=2048)
+    ap.add_argument("--placements", type=lambda v: tuple(map(float, v.split(":"))), nargs="+",
+                    default=[(0, 0), (0.25, 0), (0.5, 0), (0.75, 0), (0, 0.25)],
+                    help="weights mode: HOST:DISK shares of the decoder layers streamed from each tier")
     args = ap.parse_args()
     {"copies": bench_copies, "long": bench_long, "weights": bench_weights}[args.mode](args)
 

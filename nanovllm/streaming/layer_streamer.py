@@ -53,9 +53,7 @@ class LayerStreamer:
     def for_layers(cls, layers: list[nn.Module], device: torch.device, cpu_offload_gb: float, disk_offload_gb: float,
                    offload_folder: str | None) -> "LayerStreamer":
         """The placement plan for these decoder layers (logged as a table), and their streamer."""
-        shared = shared_module_ids(layers)
-        sizes = [sum(t.numel() * t.element_size() for _, _, t in streamed_tensors(layer, shared)) for layer in layers]
-        placement = plan_placement(sizes, int(cpu_offload_gb * (1 << 30)), int(disk_offload_gb * (1 << 30)))
+        placement = plan_placement(streamed_bytes(layers), int(cpu_offload_gb * (1 << 30)), int(disk_offload_gb * (1 << 30)))
         require_host_memory(placement.bytes_of(placement.host), f"cpu_offload_gb={cpu_offload_gb:g}")
         folder = offload_folder or str(cache_dir("offload"))
         layer_file = LayerFile(folder) if placement.disk else None
@@ -153,6 +151,12 @@ def shared_module_ids(layers: list[nn.Module]) -> set[int]:
         shared |= seen & ids
         seen |= ids
     return shared
+
+
+def streamed_bytes(layers: list[nn.Module]) -> list[int]:
+    """The bytes each layer would stream (quantized layers: their quantized blocks)."""
+    shared = shared_module_ids(layers)
+    return [sum(t.numel() * t.element_size() for _, _, t in streamed_tensors(layer, shared)) for layer in layers]
 
 
 def streamed_tensors(layer: nn.Module, shared: set[int]):
