@@ -52,11 +52,12 @@ if [[ $what == peer ]]; then  # after scripts/build_llama_cpp.sh
   python3 scripts/peer_llama_cpp.py F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp.md" | tail -4
   python3 scripts/peer_llama_cpp.py --shape small F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp_small.md" | tail -4
 fi
-if [[ $what == offload ]]; then  # KV beyond the GPU and streamed weights (issues #42, #43); ~8 minutes
+if [[ $what == offload ]]; then  # KV beyond the GPU and streamed weights (issues #42, #43); ~9 minutes
   python3 bench_offload.py copies 2>&1 | grep -v INFO | tee "$OUT/bench_offload_copies.md" | tail -14
-  python3 bench_offload.py long --model qwen3-0.6b --prompt-len 8192 32768 --gpu-tokens 2048 2>&1 | grep -v INFO \
-    | tee "$OUT/bench_offload_long.md" | tail -6
-  python3 bench_offload.py weights --model llama3-8b 2>&1 | grep -v INFO | tee "$OUT/bench_offload_weights.md" | tail -10
+  python3 bench_offload.py long --model qwen3-0.6b --prompt-len 8192 32768 131072 --gpu-tokens 2048 2>&1 \
+    | grep -v INFO | tee "$OUT/bench_offload_long.md" | tail -7
+  python3 bench_offload.py weights --model llama3-8b:Q4_K --placements 0:0 0.5:0 0:0.25 2>&1 | grep -v INFO \
+    | tee "$OUT/bench_offload_weights.md" | tail -8
 fi
 if [[ $what == big ]]; then
   python3 -m nanovllm.weights.synthetic llama3-8b /tmp/llama3-8b >/dev/null
