@@ -66,6 +66,7 @@ class Config:
     cpu_offload_gb: float = 0  # GiB of decoder-layer weights held in host memory and streamed in (vLLM's name)
     disk_offload_gb: float = 0  # GiB of decoder-layer weights read from a file in offload_folder as they run
     offload_folder: str | None = None  # None: NANOVLLM_CACHE (default ~/.cache/nanovllm) / offload
+    tensor_parallel_size: int = 1  # processes the model's heads and rows are split over (GPUs, or CPU processes)
     model_config: ModelConfig = field(init=False)
 
     def __post_init__(self):
@@ -99,9 +100,28 @@ class Config:
             self.block_size = default_block_size(self.device, self.attention_backend, dtype)
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
                  f"block_size must be a power of two from 1 to 256, got {self.block_size}")
+        self._check_tensor_parallel(hf_config, quantization)
         max_model_len = self._resolve_max_model_len(hf_config)
         self.model_config = ModelConfig(os.fspath(self.model), fmt, hf_config, dtype, max_model_len,
                                         self.tokenizer, quantization)
+
+    def _check_tensor_parallel(self, hf_config, quantization: str | None):
+        size = self.tensor_parallel_size
+        _require(isinstance(size, int) and size >= 1, f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if size == 1:
+            return
+        if self.device.startswith("cuda"):
+            _require(size <= torch.cuda.device_count(), f"tensor_parallel_size={size} but torch sees "
+                     f"{torch.cuda.device_count()} GPU(s): lower it to at most that")
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+            value = getattr(hf_config, name, None)
+            _require(value is None or value % size == 0,
+                     f"tensor_parallel_size={size} does not divide the model's {name} ({value}): choose a divisor")
+        _require(quantization in (None, "none"), f"tensor_parallel_size={size} with quantized weights "
+                 f"(quantization={quantization!r}) is not built yet: pass quantization='none' or tensor_parallel_size=1")
+        for name in ("kv_offloading_size", "cpu_offload_gb", "disk_offload_gb"):
+            _require(not getattr(self, name), f"tensor_parallel_size={size} with {name} is not built yet: leave "
+                     f"{name} unset or use tensor_parallel_size=1")
 
     @staticmethod
     def _resolve_device(device: str) -> str:

@@ -42,7 +42,8 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, attention_backend: str | None = None,
                  quantization: str | None = None, kv_offloading_size: float | None = None,
                  kv_offloading_backend: str | None = None, cpu_offload_gb: float = 0,
-                 disk_offload_gb: float = 0, offload_folder: str | None = None, **kwargs):
+                 disk_offload_gb: float = 0, offload_folder: str | None = None, tensor_parallel_size: int = 1,
+                 **kwargs):
         """nanovllm's own arguments are named here; **kwargs takes vLLM's other engine arguments
         (nanovllm.engine_args: accepted where they ask for nothing nanovllm lacks)."""
         check_vllm_args(kwargs)
@@ -56,7 +57,8 @@ class LLM:
                         kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
                         quantization=quantization, kv_offloading_size=kv_offloading_size,
                         kv_offloading_backend=kv_offloading_backend, cpu_offload_gb=cpu_offload_gb,
-                        disk_offload_gb=disk_offload_gb, offload_folder=offload_folder)
+                        disk_offload_gb=disk_offload_gb, offload_folder=offload_folder,
+                        tensor_parallel_size=tensor_parallel_size)
         self.llm_engine = LLMEngine(config)
         self._request_counter = count()
 

@@ -4,6 +4,7 @@ from itertools import count
 import numpy as np
 
 from nanovllm.config import Config
+from nanovllm.distributed.workers import TensorParallelWorkers
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner, TokenLogprobs
@@ -42,7 +43,16 @@ class LLMEngine:
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(self.model_config.model, self.model_config.tokenizer)
         self.eos_token_ids = self._eos_token_ids()
-        self.model_runner = ModelRunner(config, set(self.eos_token_ids))
+        self.workers = TensorParallelWorkers(config, set(self.eos_token_ids)) \
+            if config.tensor_parallel_size > 1 else None
+        try:
+            self.model_runner = ModelRunner(config, set(self.eos_token_ids))
+        except BaseException:
+            if self.workers is not None:
+                self.workers.close()
+            raise
+        if self.workers is not None:
+            self.workers.follow(self.model_runner.model)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.host_pool)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)

@@ -9,6 +9,7 @@ import torch
 from nanovllm.attention import AttentionMetadata, get_attention_backend
 from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles
 from nanovllm.config import Config
+from nanovllm.distributed.parallel_state import all_reduce_min, tp_size
 from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.sequence import Sequence
 from nanovllm.host_memory import require_host_memory
@@ -162,6 +163,8 @@ class ModelRunner:
             return "enforce_eager=True: every step runs eagerly, without CUDA graphs"
         if self.streamer is not None:
             return "weights stream in (cpu_offload_gb / disk_offload_gb): every step runs eagerly"
+        if tp_size() > 1:
+            return "tensor parallel steps run eagerly: CUDA graphs with the all-reduces are not built yet"
         if not self.backend.supports_cuda_graphs:
             return f"the {self.backend.name} attention backend cannot be captured: every step runs eagerly"
         return None
@@ -318,6 +321,8 @@ class ModelRunner:
             num_blocks = CPU_KV_CACHE_BYTES // self.kv_bytes_per_block()
         else:
             num_blocks = self._profile_gpu_blocks()
+        if tp_size() > 1:  # every rank holds the same blocks (of its heads): as many as the fullest GPU allows
+            num_blocks = int(all_reduce_min(torch.tensor([num_blocks], device=self.device)).item())
         host_blocks = self._num_host_blocks()
         capacity = (num_blocks + host_blocks) * self.block_size
         max_len = cfg.model_config.max_model_len

@@ -1,8 +1,12 @@
 """Linear layers. A layer owns its shape and shard layout; a LinearMethod owns how the weight is
-stored and multiplied, which is the seam where quantized formats plug in."""
+stored and multiplied, which is the seam where quantized formats plug in. With tensor parallelism (distributed/)
+a column-parallel layer holds its rank's rows of each output shard, a row-parallel one its rank's input columns,
+and sums its output over the ranks."""
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanovllm.distributed.parallel_state import all_reduce, tp_rank, tp_size
 
 
 class LinearMethod:
@@ -15,6 +19,7 @@ class LinearMethod:
         if shard_id is not None:
             offset, size = layer.output_shards[shard_id]
             target = target.narrow(0, offset, size)
+        loaded = layer.rank_part(loaded, target.shape)
         if target.shape != loaded.shape:
             raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}")
         target.copy_(loaded)
@@ -82,8 +87,11 @@ class CpuPackedLinearMethod(UnquantizedLinearMethod):
 class LinearBase(nn.Module):
     """y = x W^T (+ b). `output_shards` names the row ranges that separate HF tensors fill."""
 
+    tp_dim: int | None = None  # tensor parallel: 0 the rank holds some output rows, 1 some input columns
+
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
                  shard_ids: list | None = None, linear_method: LinearMethod | None = None):
+        """Sizes are this rank's (the whole layer's without tensor parallelism)."""
         super().__init__()
         self.input_size = input_size
         self.output_size = sum(output_sizes)
@@ -96,6 +104,16 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded, shard_id=None):
         self.linear_method.load_weight(self, param, loaded, shard_id)
 
+    def rank_part(self, loaded: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (all of it without tensor parallelism). A row-parallel bias is
+        added once: by rank 0, before the sum over ranks."""
+        if self.tp_dim is None or tp_size() == 1:
+            return loaded
+        if loaded.dim() == 1 and self.tp_dim == 1:
+            return loaded if tp_rank() == 0 else torch.zeros_like(loaded)
+        dim = self.tp_dim if loaded.dim() > 1 else 0
+        return loaded.narrow(dim, tp_rank() * shape[dim], shape[dim])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x)
 
@@ -105,16 +123,38 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, [output_size], bias, shard_ids=[None], **kw)
 
 
+class RowParallelLinear(LinearBase):
+    """o_proj, down_proj: each rank multiplies its input columns, and the outputs sum over the ranks."""
+    tp_dim = 1
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, **kw):
+        """input_size: the whole layer's."""
+        super().__init__(input_size // tp_size(), [output_size], bias, shard_ids=[None], **kw)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks of an output computed outside forward (a fused kernel of the linear method)."""
+        return all_reduce(y)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.linear_method.apply(self, x))
+
+
 class MergedColumnLinear(LinearBase):
-    """Several projections of the same input stacked along the output (gate_up_proj)."""
+    """Several projections of the same input stacked along the output (gate_up_proj); each rank holds its rows of
+    each."""
+    tp_dim = 0
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, **kw):
-        super().__init__(input_size, output_sizes, bias, **kw)
+        """output_sizes: the whole layer's."""
+        super().__init__(input_size, [size // tp_size() for size in output_sizes], bias, **kw)
 
 
 class QKVLinear(LinearBase):
+    tp_dim = 0
+
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, **kw):
+        """num_heads, num_kv_heads: this rank's."""
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias,
                          shard_ids=["q", "k", "v"], **kw)

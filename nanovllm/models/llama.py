@@ -6,22 +6,24 @@ import torch
 from torch import nn
 
 from nanovllm.attention import AttentionMetadata
+from nanovllm.distributed.parallel_state import local_part
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import LMHead, VocabEmbedding
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnLinear, QKVLinear, ReplicatedLinear
+from nanovllm.layers.linear import MergedColumnLinear, QKVLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None):
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.num_heads = local_part(config.num_attention_heads, "attention heads")  # this rank's
+        self.num_kv_heads = local_part(config.num_key_value_heads, "KV heads")
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias,
                                    linear_method=_linear_method(quant_config))
-        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, config.hidden_size, o_bias,
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias,
                                        linear_method=_linear_method(quant_config))
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
@@ -48,7 +50,7 @@ class LlamaMLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnLinear(config.hidden_size, [config.intermediate_size] * 2, bias,
                                                linear_method=_linear_method(quant_config))
-        self.down_proj = ReplicatedLinear(config.intermediate_size, config.hidden_size, bias,
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias,
                                           linear_method=_linear_method(quant_config))
         self.act = SiluAndMul()
         if config.hidden_act != "silu":
@@ -60,7 +62,7 @@ class LlamaMLP(nn.Module):
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
         """down_proj(silu(gate) * up), in one kernel where down_proj's method has one."""
         fused = self.down_proj.linear_method.apply_silu_and_mul(self.down_proj, gate_up)
-        return fused if fused is not None else self.down_proj(self.act(gate_up))
+        return self.down_proj.reduce(fused) if fused is not None else self.down_proj(self.act(gate_up))
 
     def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp(norm(x + residual)), x + residual): where gate_up_proj's method can, one kernel for the norm,

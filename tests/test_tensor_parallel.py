@@ -1,0 +1,69 @@
+"""Tensor parallelism (distributed/): on CPU two processes over gloo split the heads, the MLP rows and the
+vocabulary, and give the greedy tokens and logprobs of one process; bad sizes are refused before any weight loads; a
+worker that dies fails the job with its rank."""
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+
+PROMPTS = [{"prompt_token_ids": list(range(3 + i, 30 + 5 * i))} for i in range(4)]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+def run(model: str, **kw):
+    llm = LLM(model, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20, **kw)
+    runner, size = llm.llm_engine.model_runner, kw.get("tensor_parallel_size", 1)
+    heads = runner.hf_config.num_attention_heads
+    assert runner.attention_layers[0].num_heads == heads // size  # rank 0 holds its share of the heads
+    assert runner.model.lm_head.output_size == runner.hf_config.vocab_size // size
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    if llm.llm_engine.workers is not None:
+        llm.llm_engine.workers.close()
+    return outputs
+
+
+@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen3"])
+def test_two_cpu_processes_give_the_tokens_of_one(tiny_model_dir, shape):
+    one, two = run(tiny_model_dir(shape)), run(tiny_model_dir(shape), tensor_parallel_size=2)
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert lp_a.keys() == lp_b.keys()
+            for token in lp_a:
+                assert lp_a[token].logprob == pytest.approx(lp_b[token].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("size,message", [
+    (3, "does not divide the model's num_attention_heads"),
+    (0, "tensor_parallel_size must be an integer >= 1"),
+])
+def test_a_size_that_cannot_split_the_model_is_refused_before_loading(tiny_model_dir, size, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model_dir("tiny-llama"), device="cpu", tensor_parallel_size=size)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() > 1, reason="needs fewer than 2 GPUs")
+def test_more_gpus_than_present_is_refused(tiny_model_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    with pytest.raises(ValueError, match="GPU"):
+        LLM(tiny_model_dir("tiny-llama"), device="cuda", tensor_parallel_size=2)
+
+
+def test_a_dead_worker_fails_the_job_with_its_rank(tiny_model_dir):
+    llm = LLM(tiny_model_dir("tiny-llama"), device="cpu", dtype="float32", max_model_len=128,
+              kv_cache_memory_bytes=16 << 20, tensor_parallel_size=2)
+    workers = llm.llm_engine.workers
+    workers.processes[0].kill()
+    workers.processes[0].join()
+    with pytest.raises(RuntimeError, match="nanovllm-tp1 exited"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    workers.close()
+
+
+@pytest.mark.slow
+def test_smollm2_over_three_cpu_processes_gives_the_tokens_of_one(smollm2_path):
+    """SmolLM2-135M has 9 heads and 3 KV heads: 3 ranks of 3 heads and 1 KV head each (2 cannot divide them)."""
+    one, three = run(smollm2_path), run(smollm2_path, tensor_parallel_size=3)
+    for a, b in zip(one, three):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
