@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
-#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv|offload]
+#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv|offload|tp]
 # Slow tests (the bundled model, which the device cannot fetch) are left out. `tests` is tests1 then tests2;
 # together they take longer than one 10-minute device call (with flash_attn importable, ~190 tests ran in 540 s), so
 # a call runs one of them. tests2 alone is ~8-9 minutes (142 of test_triton_kernels.py's 240 tests ran in 300 s).
@@ -58,6 +58,14 @@ if [[ $what == offload ]]; then  # KV beyond the GPU and streamed weights (issue
     | grep -v INFO | tee "$OUT/bench_offload_long.md" | tail -7
   python3 bench_offload.py weights --model llama3-8b:Q4_K --placements 0:0 0.5:0 0:0.25 2>&1 | grep -v INFO \
     | tee "$OUT/bench_offload_weights.md" | tail -8
+fi
+if [[ $what == tp ]]; then  # tensor parallelism, on a machine of 2 GPUs (nvidia-h100-x2); ~6 minutes
+  gpu_tests tp tests/test_tensor_parallel.py
+  python3 -m nanovllm.weights.synthetic llama3-8b /tmp/llama3-8b >/dev/null
+  for tp in 1 2; do
+    python3 bench.py --mode decode1 --model /tmp/llama3-8b --tensor-parallel-size $tp 2>&1 | grep -v INFO \
+      | tee "$OUT/bench_decode1_llama3_tp$tp.md" | tail -2
+  done
 fi
 if [[ $what == big ]]; then
   python3 -m nanovllm.weights.synthetic llama3-8b /tmp/llama3-8b >/dev/null

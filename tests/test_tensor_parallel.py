@@ -42,6 +42,27 @@ def test_a_size_that_cannot_split_the_model_is_refused_before_loading(tiny_model
         LLM(tiny_model_dir("tiny-llama"), device="cpu", tensor_parallel_size=size)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_gpus_give_the_tokens_of_one(tiny_model_dir, dtype):
+    """fp32: the same tokens; bf16: the all-reduce sums in another order, so near ties may break apart (the rate
+    is printed)."""
+    outputs = []
+    for size in (1, 2):
+        llm = LLM(tiny_model_dir("tiny-llama-128"), device="cuda", dtype=dtype, max_model_len=128,
+                  tensor_parallel_size=size)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
+        if llm.llm_engine.workers is not None:
+            llm.llm_engine.workers.close()
+        del llm
+    pairs = [(a, b) for one, two in zip(*outputs) for a, b in zip(one, two)]
+    agreement = sum(a == b for a, b in pairs) / len(pairs)
+    print(f"TP=2 vs TP=1 greedy token agreement ({dtype}): {agreement:.1%}")
+    if dtype == "float32":
+        assert agreement == 1.0
+
+
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() > 1, reason="needs fewer than 2 GPUs")
 def test_more_gpus_than_present_is_refused(tiny_model_dir):
     if not torch.cuda.is_available():
