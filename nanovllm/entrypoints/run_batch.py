@@ -31,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser):
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=None,
                             help="as LLM()'s argument of that name")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--ray", action="store_true", help="serve each chunk on a Ray cluster (ray.init() joins the "
+                        "one RAY_ADDRESS names, else starts a local one), one LLM a replica")
+    parser.add_argument("--ray-replicas", type=int, default=1, help="with --ray: LLM replicas (a GPU each where the "
+                        "cluster has GPUs)")
 
 
 def run(args) -> int:
@@ -48,13 +52,13 @@ def run(args) -> int:
             report(entry)
         served = 0
         if requests:
-            llm = make_llm(args)
             model = args.served_model_name or args.model
+            serve_lines = ray_server(args, model) if args.ray else local_server(args, model)
             with open(args.output_file, "a") as out, tqdm(total=len(requests), desc="Requests") as bar:
                 for start in range(0, len(requests), args.chunk_size):
                     chunk = requests[start:start + args.chunk_size]
-                    for request, output in serve(llm, chunk, report):
-                        out.write(json.dumps(output_line(request, output, model)) + "\n")
+                    for line in serve_lines(chunk, report):
+                        out.write(json.dumps(line) + "\n")
                         served += 1
                     out.flush()
                     os.fsync(out.fileno())
@@ -64,11 +68,63 @@ def run(args) -> int:
     return 0
 
 
-def make_llm(args):
+def engine_kwargs(args) -> dict:
+    return dict(enforce_eager=args.enforce_eager,
+                **{name: getattr(args, name) for name, _ in ENGINE_ARGS if getattr(args, name) is not None})
+
+
+def local_server(args, model: str):
+    """chunk, report -> the chunk's output lines in order, by one LLM in this process."""
     from nanovllm import LLM  # heavy: after the input is read and checked
 
-    return LLM(args.model, enforce_eager=args.enforce_eager,
-               **{name: getattr(args, name) for name, _ in ENGINE_ARGS if getattr(args, name) is not None})
+    llm = LLM(args.model, **engine_kwargs(args))
+    return lambda chunk, report: [output_line(request, output, model) for request, output in serve(llm, chunk, report)]
+
+
+def ray_server(args, model: str):
+    """chunk, report -> the chunk's output lines in order, by --ray-replicas LLMs on a Ray cluster (each replica
+    parses and serves its rows' lines as the local server does)."""
+    import ray
+
+    from nanovllm.entrypoints.ray_data import ProcessorConfig, build_processor
+
+    if not ray.is_initialized():
+        ray.init()
+    config = ProcessorConfig(args.model, engine_kwargs(args), concurrency=args.ray_replicas,
+                             batch_size=max(1, args.chunk_size // args.ray_replicas))
+    process = build_processor(config, stage=BatchLineStage, stage_kwargs=dict(served_model=model))
+
+    def serve_lines(chunk: list[BatchRequest], report) -> list[dict]:
+        rows = process(ray.data.from_items([{"line": r.line, "text": json.dumps(
+            {"custom_id": r.custom_id, "method": "POST", "url": r.url, "body": r.body})} for r in chunk])).take_all()
+        lines = []
+        for row in sorted(rows, key=lambda row: row["line"]):
+            for entry in json.loads(row["errors"]):
+                report(entry)
+            if row["output"]:
+                lines.append(json.loads(row["output"]))
+        return lines
+
+    return serve_lines
+
+
+class BatchLineStage:
+    """A Ray replica of run-batch: rows of (line, text) -> their output line and error entries, as JSON."""
+
+    def __init__(self, model: str, engine_kwargs: dict, served_model: str):
+        from nanovllm import LLM
+
+        self.llm, self.served_model = LLM(model, **engine_kwargs), served_model
+
+    def __call__(self, batch):
+        errors = {line: [] for line in batch["line"]}
+        requests = [parse_request(line, text) for line, text in zip(batch["line"], batch["text"])]
+        served = {r.line: output for r, output in serve(self.llm, requests, lambda e: errors[e["line"]].append(e))}
+        batch = batch.copy()
+        batch["output"] = [json.dumps(output_line(r, served[r.line], self.served_model)) if r.line in served else ""
+                           for r in requests]
+        batch["errors"] = [json.dumps(errors[line]) for line in batch["line"]]
+        return batch
 
 
 def read_written(path: str, key: str) -> set:

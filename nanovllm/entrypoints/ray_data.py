@@ -1,0 +1,89 @@
+"""Data parallelism over Ray Data: a dataset of prompts mapped through one LLM per replica (a GPU, or a CPU
+worker), the way ray.data.llm's processors serve vLLM.
+
+    processor = build_processor(ProcessorConfig(model="...", concurrency=2, engine_kwargs={...}),
+                                preprocess=lambda row: {**row, "prompt": ...}, postprocess=...)
+    results = processor(ray.data.from_items(rows))   # a lazy Dataset; every input column is carried through
+
+A row asks for one generation by `prompt` (text), `prompt_token_ids` or `messages` (a chat, through the model's
+template), with an optional `sampling_params` dict (SamplingParams' fields); it gains `generated_text`,
+`generated_token_ids`, `num_input_tokens` and `num_generated_tokens`. Rows keep their own columns (an `id`, say),
+so results are matched by those, not by order. The driver holds only what the dataset's consumer takes. Ray is an
+optional extra: pip install "nanovllm[ray]"."""
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nanovllm.sampling_params import SamplingParams
+
+OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_input_tokens", "num_generated_tokens")
+
+
+@dataclass
+class ProcessorConfig:
+    model: str
+    engine_kwargs: dict = field(default_factory=dict)  # LLM()'s keywords
+    concurrency: int = 1  # LLM replicas
+    batch_size: int = 64  # rows a replica takes at a time
+    num_gpus: float | None = None  # a replica's; None: 1 where Ray sees GPUs, else 0 (CPU workers)
+    num_cpus: float = 1
+
+
+class EngineStage:
+    """One replica: an LLM, serving batches of rows (pandas DataFrames)."""
+
+    def __init__(self, model: str, engine_kwargs: dict):
+        from nanovllm import LLM
+
+        self.llm = LLM(model, **engine_kwargs)
+
+    def __call__(self, batch):
+        rows = batch.to_dict("records")
+        prompts = [self._prompt(row) for row in rows]
+        params = [SamplingParams(**(row.get("sampling_params") or {})) for row in rows]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        batch = batch.copy()
+        batch["generated_text"] = [o.outputs[0].text for o in outputs]
+        batch["generated_token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
+        batch["num_input_tokens"] = [len(o.prompt_token_ids) for o in outputs]
+        batch["num_generated_tokens"] = [len(o.outputs[0].token_ids) for o in outputs]
+        return batch
+
+    def _prompt(self, row: dict):
+        if _given(row.get("messages")):
+            return self.llm.chat_prompt(list(row["messages"]))
+        if _given(row.get("prompt_token_ids")):
+            return {"prompt_token_ids": [int(t) for t in row["prompt_token_ids"]]}
+        if isinstance(row.get("prompt"), str):
+            return row["prompt"]
+        raise ValueError(f"a row needs 'prompt', 'prompt_token_ids' or 'messages'; it has {sorted(row)}")
+
+
+def _given(value) -> bool:
+    return value is not None and not (isinstance(value, float) and value != value) and len(value) > 0  # NaN: absent
+
+
+def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] | None = None,
+                    postprocess: Callable[[dict], dict] | None = None, stage: type = EngineStage,
+                    stage_kwargs: dict | None = None) -> Callable:
+    """A function from a ray.data.Dataset to the dataset of its generations: preprocess (row -> row), the LLM
+    replicas, postprocess (row -> row). stage: the replicas' class, built with (model, engine_kwargs,
+    **stage_kwargs) and called on pandas batches (run-batch's serves its request lines)."""
+    import ray
+
+    if config.concurrency < 1 or config.batch_size < 1:
+        raise ValueError(f"concurrency and batch_size must be >= 1, got {config.concurrency}, {config.batch_size}")
+    num_gpus = config.num_gpus
+    if num_gpus is None:
+        num_gpus = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) else 0
+
+    def process(dataset):
+        if preprocess is not None:
+            dataset = dataset.map(preprocess)
+        dataset = dataset.map_batches(stage, fn_constructor_kwargs=dict(model=config.model,
+                                                                       engine_kwargs=config.engine_kwargs,
+                                                                       **(stage_kwargs or {})),
+                                      batch_size=config.batch_size, batch_format="pandas",
+                                      concurrency=config.concurrency, num_gpus=num_gpus, num_cpus=config.num_cpus)
+        return dataset.map(postprocess) if postprocess is not None else dataset
+
+    return process
