@@ -3,6 +3,7 @@
     python bench_offload.py copies   # KV blocks between the GPU cache and a pinned host pool
     python bench_offload.py long [--model qwen3-0.6b] [--prompt-len 8192 32768] [--gpu-tokens 2048]
     python bench_offload.py weights [--model llama3-8b] [--batch-sizes 1 64]  # decoder layers streamed from host memory
+    python bench_offload.py batch --prompt-len 8192 --batch-sizes 16 [--kv-multiple 3]  # swap against recompute
 
 copies: whole blocks (every layer, K and V) of a Llama-3-8B-shape KV cache (32 layers, 8 KV heads of 128, bf16) moved
 by sgDMA (comm/sgdma.py), by its torch twin (gather, one copy, scatter) and as one contiguous copy of the same bytes,
@@ -16,7 +17,10 @@ Prompts past the model's context stretch it by YaRN (config.json's rope_scaling)
 weights: decode tok/s at each batch size with the decoder layers' weights resident, and with 25% / 50% / 75% of them
 in pinned host memory (cpu_offload_gb) or 25% on disk (disk_offload_gb), each against the resident run and against
 its bound: the streamed bytes a step over each tier's bandwidth (pinned H2D; the disk's, read back as the streamer
-reads it, O_DIRECT where the file system allows). --model llama3-8b:Q4_K streams GGUF layers kept quantized."""
+reads it, O_DIRECT where the file system allows). --model llama3-8b:Q4_K streams GGUF layers kept quantized.
+
+batch: --batch-sizes' last value of --prompt-len prompts whose KV is --kv-multiple times the GPU's: output tok/s with
+swap preemption (a host pool), with recompute preemption, and with the GPU holding it all."""
 import argparse
 import datetime
 import gc
@@ -153,6 +157,35 @@ def long_rows(args, model: str, prompt_len: int, bw: float):
           f"{bound:.0f} tok/s ({dec_o / bound:.0%}) |", flush=True)
 
 
+def bench_batch(args):
+    """A batch whose KV is --kv-multiple times the GPU's: swap preemption (a host pool) against recompute, and
+    against the run where the GPU holds it all."""
+    model = resolve_model(args.model, torch.bfloat16)
+    prompt_len, batch = args.prompt_len[0], args.batch_sizes[-1]
+    prompts = [[random.Random(i).randint(100, 500) for _ in range(prompt_len)] for i in range(batch)]
+    max_len = prompt_len + args.output_len
+    blocks_needed = batch * -(-max_len // 16)
+    rows = []
+    for name, kw in (("resident", {}),
+                     ("recompute", dict(num_gpu_blocks_override=int(blocks_needed / args.kv_multiple))),
+                     ("swap", dict(num_gpu_blocks_override=int(blocks_needed / args.kv_multiple),
+                                   kv_offloading_size=blocks_needed * 16 * (256 << 10) / (1 << 30)))):
+        llm = LLM(model, max_model_len=max_len, block_size=16, enable_prefix_caching=False, **kw)
+        generate_seconds(llm, prompts[:2], 2)  # warm-up
+        seconds = generate_seconds(llm, prompts, args.output_len)
+        scheduler = llm.llm_engine.scheduler
+        rows.append((name, batch * args.output_len / seconds, scheduler.num_preemptions, scheduler.num_swaps))
+        del llm, scheduler
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(f"\n| device | date | config |\n|---|---|---|\n| {torch.cuda.get_device_name()} | {datetime.date.today()} | "
+          f"{args.model}, bf16, {batch} prompts of {prompt_len:,} tokens + {args.output_len} greedy tokens; GPU KV "
+          f"capped at 1/{args.kv_multiple:g} of the batch's |\n")
+    print("| run | output tok/s | vs resident | preemptions | of them swapped |\n|---|---|---|---|---|")
+    for name, tps, preemptions, swaps in rows:
+        print(f"| {name} | {tps:,.1f} | {tps / rows[0][1]:.2f}x | {preemptions} | {swaps} |")
+
+
 def decode_tok_s(llm: LLM, batch: int, output_len: int) -> float:
     """Output tok/s of `batch` 128-token prompts decoding output_len tokens, the prefill's time taken out."""
     prompts = [[random.Random(i).randint(100, 500) for _ in range(128)] for i in range(batch)]
@@ -219,7 +252,8 @@ def bench_weights(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["copies", "long", "weights"])
+    ap.add_argument("mode", choices=["copies", "long", "weights", "batch"])
+    ap.add_argument("--kv-multiple", type=float, default=3.0, help="batch mode: the batch's KV over the GPU's")
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[8192], help="long mode: one run each")
@@ -229,7 +263,7 @@ def main():
                     default=[(0, 0), (0.25, 0), (0.5, 0), (0.75, 0), (0, 0.25)],
                     help="weights mode: HOST:DISK shares of the decoder layers streamed from each tier")
     args = ap.parse_args()
-    {"copies": bench_copies, "long": bench_long, "weights": bench_weights}[args.mode](args)
+    {"copies": bench_copies, "long": bench_long, "weights": bench_weights, "batch": bench_batch}[args.mode](args)
 
 
 if __name__ == "__main__":
