@@ -132,3 +132,20 @@ def test_offloading_more_than_the_host_holds_names_the_setting(six_layers, monke
     monkeypatch.setattr("nanovllm.host_memory.available_bytes", lambda: 1000)
     with pytest.raises(ValueError, match=message):
         LLM(six_layers, device="cpu", max_model_len=128, **kwargs)
+
+
+@pytest.mark.parametrize("damage,error,message", [
+    (lambda path: os.truncate(path, 4096), OSError, "cut short"),
+    (os.remove, FileNotFoundError, "is gone"),
+])
+def test_a_damaged_layer_file_is_a_clear_error(six_layers, tmp_path, damage, error, message):
+    """The disk tier's file cut short or removed mid-run: the next read names the file and what happened."""
+    llm = LLM(six_layers, device=DEVICE, dtype="float32", max_model_len=128, offload_folder=str(tmp_path),
+              disk_offload_gb=1e-6)
+    layer_file = llm.llm_engine.model_runner.streamer.layer_file
+    if layer_file.fd is not None:  # opened at load: reopen after the damage
+        os.close(layer_file.fd)
+        layer_file.fd = None
+    damage(layer_file.path)
+    with pytest.raises(error, match=message):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)

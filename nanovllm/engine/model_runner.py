@@ -359,7 +359,8 @@ class ModelRunner:
                 f"no GPU memory is left for the KV cache: {(total - free) / gib:.1f} GiB in use and "
                 f"{activation_peak / gib:.1f} GiB of activations, of {total / gib:.1f} GiB at "
                 f"gpu_memory_utilization={self.config.gpu_memory_utilization}: raise gpu_memory_utilization, "
-                f"lower max_num_batched_tokens or max_num_seqs, or use a smaller model")
+                f"lower max_num_batched_tokens or max_num_seqs, stream weights from host memory (cpu_offload_gb) "
+                f"or use a smaller model")
         return num_blocks
 
     @torch.inference_mode()

@@ -2,6 +2,7 @@
 the engine), each at an offset aligned for O_DIRECT, and read back by positional reads. O_DIRECT where the file
 system takes it, so that a read comes from the disk and not the page cache; buffered reads elsewhere, and the log
 says so once. kvikio (GPUDirect Storage) reading straight into GPU memory is the fast path still to come."""
+import contextlib
 import os
 import tempfile
 import weakref
@@ -23,7 +24,7 @@ class LayerFile:
         os.makedirs(folder, exist_ok=True)
         fd, self.path = tempfile.mkstemp(prefix="nanovllm-layers-", suffix=".bin", dir=folder)
         os.close(fd)
-        weakref.finalize(self, os.remove, self.path)
+        weakref.finalize(self, _remove, self.path)
         self.places: dict[int, tuple[int, int]] = {}  # layer -> (offset, bytes)
         self.size = 0
         self.fd = self.direct = None
@@ -41,6 +42,9 @@ class LayerFile:
         if self.fd is None:
             log_once("weights on disk are read by plain positional reads (through a pinned staging buffer on CUDA): "
                      "kvikio / GPUDirect Storage is not used yet")
+            if not os.path.exists(self.path):
+                raise FileNotFoundError(f"the streamed weights' file {self.path} is gone (disk_offload_gb keeps layers "
+                                        "there while the engine runs): leave offload_folder alone, or start again")
             try:
                 self.fd, self.direct = os.open(self.path, os.O_RDONLY | os.O_DIRECT), True
             except (AttributeError, OSError) as error:
@@ -61,11 +65,16 @@ class LayerFile:
             return
         self._read(fd, view, offset)
 
-    @staticmethod
-    def _read(fd: int, view: memoryview, offset: int):
+    def _read(self, fd: int, view: memoryview, offset: int):
         done = 0
         while done < len(view):
             got = os.preadv(fd, [view[done:]], offset + done)
             if got <= 0:
-                raise OSError(f"short read of streamed weights: {done} of {len(view)} bytes at offset {offset}")
+                raise OSError(f"short read of streamed weights: {done} of {len(view)} bytes at offset {offset} of "
+                              f"{self.path}; the file was cut short while the engine ran")
             done += got
+
+
+def _remove(path: str):
+    with contextlib.suppress(FileNotFoundError):  # removed already (by hand, mid-run)
+        os.remove(path)
