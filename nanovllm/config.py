@@ -100,12 +100,12 @@ class Config:
             self.block_size = default_block_size(self.device, self.attention_backend, dtype)
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
                  f"block_size must be a power of two from 1 to 256, got {self.block_size}")
-        self._check_tensor_parallel(hf_config, quantization)
+        self._check_tensor_parallel(hf_config)
         max_model_len = self._resolve_max_model_len(hf_config)
         self.model_config = ModelConfig(os.fspath(self.model), fmt, hf_config, dtype, max_model_len,
                                         self.tokenizer, quantization)
 
-    def _check_tensor_parallel(self, hf_config, quantization: str | None):
+    def _check_tensor_parallel(self, hf_config):
         size = self.tensor_parallel_size
         _require(isinstance(size, int) and size >= 1, f"tensor_parallel_size must be an integer >= 1, got {size!r}")
         if size == 1:
@@ -117,8 +117,6 @@ class Config:
             value = getattr(hf_config, name, None)
             _require(value is None or value % size == 0,
                      f"tensor_parallel_size={size} does not divide the model's {name} ({value}): choose a divisor")
-        _require(quantization in (None, "none"), f"tensor_parallel_size={size} with quantized weights "
-                 f"(quantization={quantization!r}) is not built yet: pass quantization='none' or tensor_parallel_size=1")
         for name in ("kv_offloading_size", "cpu_offload_gb", "disk_offload_gb"):
             _require(not getattr(self, name), f"tensor_parallel_size={size} with {name} is not built yet: leave "
                      f"{name} unset or use tensor_parallel_size=1")

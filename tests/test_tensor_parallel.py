@@ -33,6 +33,31 @@ def test_two_cpu_processes_give_the_tokens_of_one(tiny_model_dir, shape):
                 assert lp_a[token].logprob == pytest.approx(lp_b[token].logprob, abs=1e-4)
 
 
+@pytest.mark.slow  # the synthetic GGUF takes its vocabulary from the bundled model
+def test_gguf_blocks_kept_quantized_split_over_two_processes(tmp_path):
+    """Q8_0 blocks sharded as they are (rows of qkv / gate_up / the vocabulary, whole blocks of o / down's rows)
+    give the tokens of one process."""
+    from nanovllm.weights.synthetic import SHAPES
+    from nanovllm.weights.synthetic_gguf import write_gguf
+
+    path = str(write_gguf(SHAPES["tiny-llama-128"], "Q8_0", str(tmp_path / "tiny-q8_0.gguf")))
+    one, two = run(path, quantization="gguf"), run(path, quantization="gguf", tensor_parallel_size=2)
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_quantized_blocks_narrow_as_their_dequantized_weights():
+    from nanovllm.quant.gguf_weight import GGUFWeight
+
+    raw = torch.randint(0, 256, (6, 4 * 34), dtype=torch.uint8)  # Q8_0: 6 rows of 4 blocks of 32
+    raw.view(6, 4, 34)[:, :, :2] = torch.tensor([0, 0x3c], dtype=torch.uint8)  # f16 scales of 1.0
+    weight = GGUFWeight.from_blocks(raw, "Q8_0", (6, 128))
+    torch.testing.assert_close(weight.narrow(0, 2, 3).dequantize(), weight.dequantize()[2:5])
+    torch.testing.assert_close(weight.narrow(1, 64, 64).dequantize(), weight.dequantize()[:, 64:])
+    with pytest.raises(ValueError, match="whole blocks of 32"):
+        weight.narrow(1, 16, 64)
+
+
 @pytest.mark.parametrize("size,message", [
     (3, "does not divide the model's num_attention_heads"),
     (0, "tensor_parallel_size must be an integer >= 1"),

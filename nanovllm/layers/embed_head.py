@@ -16,7 +16,7 @@ class VocabEmbedding(CustomOp):
         super().__init__()
         self.quant_config = quant_config
         self.qweight = None
-        rows = vocab_size // tp_size()
+        self.num_rows = rows = vocab_size // tp_size()
         self.vocab_start = tp_rank() * rows
         device = "meta" if quant_config is not None else None  # the loaded tensor decides what is allocated
         self.weight = nn.Parameter(torch.empty(rows, hidden_size, device=device), requires_grad=False)
@@ -37,9 +37,11 @@ class VocabEmbedding(CustomOp):
     def forward_native(self, token_ids: torch.Tensor) -> torch.Tensor:
         if tp_size() > 1:
             local = token_ids - self.vocab_start
-            outside = (local < 0) | (local >= self.weight.shape[0])
-            rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0)
-            return all_reduce(rows)
+            outside = (local < 0) | (local >= self.num_rows)
+            return all_reduce(self._rows(local.masked_fill(outside, 0)).masked_fill(outside[..., None], 0))
+        return self._rows(token_ids)
+
+    def _rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             rows = self.qweight.map_rows(lambda field: field.index_select(0, token_ids.reshape(-1)))
             return rows.dequantize().to(self.quant_config.dtype).view(*token_ids.shape, self.qweight.shape[1])

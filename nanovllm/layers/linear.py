@@ -105,13 +105,16 @@ class LinearBase(nn.Module):
         self.linear_method.load_weight(self, param, loaded, shard_id)
 
     def rank_part(self, loaded: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        """This rank's part of a checkpoint tensor (all of it without tensor parallelism). A row-parallel bias is
-        added once: by rank 0, before the sum over ranks."""
+        """This rank's part of a checkpoint tensor or quantized weight (all of it without tensor parallelism; as it is
+        where it has this rank's size already: a tied LM head's table). A row-parallel bias is added once: by rank 0,
+        before the sum over ranks."""
         if self.tp_dim is None or tp_size() == 1:
             return loaded
-        if loaded.dim() == 1 and self.tp_dim == 1:
+        if len(loaded.shape) == 1 and self.tp_dim == 1:
             return loaded if tp_rank() == 0 else torch.zeros_like(loaded)
-        dim = self.tp_dim if loaded.dim() > 1 else 0
+        dim = self.tp_dim if len(loaded.shape) > 1 else 0
+        if loaded.shape[dim] == shape[dim]:
+            return loaded
         return loaded.narrow(dim, tp_rank() * shape[dim], shape[dim])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,7 @@ class GGUFLinearMethod(LinearMethod):
         if param is not layer.weight:  # the bias: dense in every GGUF file
             return super().load_weight(layer, param, loaded, shard_id)
         offset, size = layer.output_shards[shard_id]
+        loaded = layer.rank_part(loaded, (size, layer.input_size))
         if tuple(loaded.shape) != (size, layer.input_size):
             raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {(size, layer.input_size)}")
         if self.config.int4:

@@ -49,6 +49,20 @@ class GGUFWeight:
         fields = {name: fn(field) for name, field in self.fields.items()}
         return GGUFWeight(self.type_name, (next(iter(fields.values())).shape[0], self.shape[1]), fields)
 
+    def narrow(self, dim: int, start: int, length: int) -> "GGUFWeight":
+        """Rows (dim 0) or the weights start..start+length of every row (dim 1: whole blocks), as torch's narrow (a
+        tensor-parallel rank's part)."""
+        if dim == 0:
+            return self.map_rows(lambda field: field.narrow(0, start, length).contiguous())
+        block = BLOCK_FORMATS[self.type_name].block_size
+        if start % block or length % block:
+            raise ValueError(f"a {self.type_name} weight splits within its rows only at whole blocks of {block} "
+                             f"weights, not at {start}..{start + length}: choose a tensor_parallel_size that does")
+        n, k = self.shape
+        fields = {name: field.reshape(n, k // block, -1)[:, start // block:(start + length) // block]
+                  .reshape(n, -1).contiguous() for name, field in self.fields.items()}
+        return GGUFWeight(self.type_name, (n, length), fields)
+
     @staticmethod
     def cat(weights: list["GGUFWeight"]) -> "GGUFWeight":
         """Weights of one type and width stacked along the rows (a merged qkv or gate_up projection)."""

@@ -71,6 +71,7 @@ class PerChannelLinearMethod(LinearMethod):
         if param is not layer.weight:
             return super().load_weight(layer, param, loaded, shard_id)
         offset, size = layer.output_shards[shard_id]
+        loaded = layer.rank_part(loaded, (size, layer.input_size))
         if tuple(loaded.shape) != (size, layer.input_size):
             raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit {(size, layer.input_size)}")
         q, scale = quantize_per_channel(loaded.to(self.config.device), self.config.qdtype)
