@@ -117,9 +117,6 @@ class Config:
             value = getattr(hf_config, name, None)
             _require(value is None or value % size == 0,
                      f"tensor_parallel_size={size} does not divide the model's {name} ({value}): choose a divisor")
-        for name in ("kv_offloading_size", "cpu_offload_gb", "disk_offload_gb"):
-            _require(not getattr(self, name), f"tensor_parallel_size={size} with {name} is not built yet: leave "
-                     f"{name} unset or use tensor_parallel_size=1")
 
     @staticmethod
     def _resolve_device(device: str) -> str:

@@ -10,13 +10,15 @@ PROMPTS = [{"prompt_token_ids": list(range(3 + i, 30 + 5 * i))} for i in range(4
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 
 
-def run(model: str, **kw):
+def run(model: str, inspect=None, **kw):
     llm = LLM(model, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20, **kw)
     runner, size = llm.llm_engine.model_runner, kw.get("tensor_parallel_size", 1)
     heads = runner.hf_config.num_attention_heads
     assert runner.attention_layers[0].num_heads == heads // size  # rank 0 holds its share of the heads
     assert runner.model.lm_head.output_size == runner.hf_config.vocab_size // size
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    if inspect is not None:
+        inspect(llm.llm_engine)
     if llm.llm_engine.workers is not None:
         llm.llm_engine.workers.close()
     return outputs
@@ -112,4 +114,25 @@ def test_smollm2_over_three_cpu_processes_gives_the_tokens_of_one(smollm2_path):
     """SmolLM2-135M has 9 heads and 3 KV heads: 3 ranks of 3 heads and 1 KV head each (2 cannot divide them)."""
     one, three = run(smollm2_path), run(smollm2_path, tensor_parallel_size=3)
     for a, b in zip(one, three):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("offload", [
+    dict(kv_offloading_size=0.01, num_gpu_blocks_override=4),  # most KV in host memory: offloaded steps, swaps
+    dict(cpu_offload_gb=1e-6),  # the first decoder layer streamed from host memory on every rank
+])
+def test_offloading_splits_over_two_processes(tiny_model_dir, offload):
+    """Each rank offloads its own heads' KV (rank 0's host pool copies run on every rank) or streams its own
+    layers' shards: the tokens of one process."""
+    model = tiny_model_dir("tiny-llama")
+    kw = dict(offload, block_size=16)
+
+    def offloaded(engine):
+        if "kv_offloading_size" in kw:
+            assert engine.scheduler.num_swaps + engine.block_manager.num_offloaded_blocks > 0
+        else:
+            assert engine.model_runner.streamer.streamed == [0]
+
+    one, two = run(model, **kw), run(model, offloaded, tensor_parallel_size=2, **kw)
+    for a, b in zip(one, two):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

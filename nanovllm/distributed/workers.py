@@ -1,7 +1,7 @@
 """Tensor parallelism's processes: rank 0 is the engine's own process (scheduler, sampler, detokenizer); ranks
 1..N-1 are spawned here, each building the same ModelRunner over its shard of the weights (the same collectives
-in the same order), then following rank 0: before each forward and each LM head call, rank 0 broadcasts the call's
-inputs, and every rank runs it (its all-reduces and the logits' gather pair up). Only rank 0's results are read.
+in the same order), then following rank 0: before each forward, each LM head call and each KV block copy of the
+host pool, rank 0 broadcasts the call's inputs, and every rank runs it (its all-reduces and the logits' gather pair up). Only rank 0's results are read.
 A worker that fails puts its rank and traceback on a queue and exits; rank 0's next collective then fails, and
 the error names the rank."""
 import dataclasses
@@ -42,14 +42,14 @@ def _worker_main(config, rank: int, init_method: str, stop_token_ids: set[int], 
         if device.type == "cpu":
             _share_threads(config.tensor_parallel_size)
         init_tensor_parallel(rank, config.tensor_parallel_size, init_method, device)
-        model = ModelRunner(config, stop_token_ids).model
+        runner = ModelRunner(config, stop_token_ids)
+        calls = {"forward": runner.model, "logits": runner.model.compute_logits}
+        if runner.host_pool is not None:
+            calls.update(copy_out=runner.host_pool._copy_out, copy_in=runner.host_pool._copy_in)
         with torch.inference_mode():
             while (command := broadcast_command())[0] != "exit":
                 kind, *args = _moved(command, device)
-                if kind == "forward":
-                    model(*args)
-                else:
-                    model.compute_logits(*args)
+                calls[kind](*args)
     except BaseException:  # noqa: BLE001 - any failure ends the job, with its rank
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1)
@@ -79,8 +79,10 @@ class TensorParallelWorkers:
         init_tensor_parallel(0, size, init_method, device)
         self._finalizer = weakref.finalize(self, _shut_down, self.processes)
 
-    def follow(self, model: torch.nn.Module):
-        """Make every forward and LM head call of rank 0's model run on every rank."""
+    def follow(self, runner):
+        """Make every forward and LM head call of rank 0's model, and every KV block copy of its host pool (swap,
+        offload, prefix tier: each rank moves its heads' part), run on every rank."""
+        model, pool = runner.model, runner.host_pool
         forward, compute_logits = model.forward, model.compute_logits
 
         def lead(kind, call, *args):
@@ -93,6 +95,10 @@ class TensorParallelWorkers:
         model.forward = lambda input_ids, positions, meta, inputs_embeds=None: lead(
             "forward", forward, input_ids, positions, meta)
         model.compute_logits = lambda hidden, out=None: lead("logits", compute_logits, hidden)
+        if pool is not None:
+            copy_out, copy_in = pool._copy_out, pool._copy_in
+            pool._copy_out = lambda device_blocks, pool_blocks: lead("copy_out", copy_out, device_blocks, pool_blocks)
+            pool._copy_in = lambda pool_blocks, device_blocks: lead("copy_in", copy_in, pool_blocks, device_blocks)
 
     def _send(self, command):
         dead = [p for p in self.processes if not p.is_alive()]

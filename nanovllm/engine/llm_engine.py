@@ -52,7 +52,7 @@ class LLMEngine:
                 self.workers.close()
             raise
         if self.workers is not None:
-            self.workers.follow(self.model_runner.model)
+            self.workers.follow(self.model_runner)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.host_pool)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
