@@ -91,7 +91,7 @@ def make_llm(args, model, dtype, **settings) -> LLM:
     or --max-num-seqs say otherwise (users' defaults: the figures are the ones they get)."""
     llm = LLM(model, device=args.device, dtype=dtype, attention_backend=args.attention_backend,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, quantization=args.quantization,
-              tensor_parallel_size=args.tensor_parallel_size, **settings)
+              tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size, **settings)
     engine = llm.llm_engine
     args.engine_used = (f"quantization {engine.model_config.quantization}, "
                         f"attention backend {engine.model_runner.backend.name}, max_model_len "
@@ -290,6 +290,8 @@ def main():
     ap.add_argument("--quantization", default=None, help="gguf, none, fp8, int8 or int4; default: the engine's")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model's heads and rows split over")
+    ap.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, a GPU each (the roofline "
+                    "column then counts replica 0's bytes only)")
     ap.add_argument("--attention-backend", default=None, help="torch, triton or flash_attn; default: the engine's")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256], help="sweep mode")
     ap.add_argument("--plot", default=None, help="sweep mode: write a PNG of tok/s against batch size here")

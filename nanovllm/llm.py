@@ -43,7 +43,7 @@ class LLM:
                  quantization: str | None = None, kv_offloading_size: float | None = None,
                  kv_offloading_backend: str | None = None, cpu_offload_gb: float = 0,
                  disk_offload_gb: float = 0, offload_folder: str | None = None, tensor_parallel_size: int = 1,
-                 **kwargs):
+                 data_parallel_size: int = 1, **kwargs):
         """nanovllm's own arguments are named here; **kwargs takes vLLM's other engine arguments
         (nanovllm.engine_args: accepted where they ask for nothing nanovllm lacks)."""
         check_vllm_args(kwargs)
@@ -59,8 +59,25 @@ class LLM:
                         kv_offloading_backend=kv_offloading_backend, cpu_offload_gb=cpu_offload_gb,
                         disk_offload_gb=disk_offload_gb, offload_folder=offload_folder,
                         tensor_parallel_size=tensor_parallel_size)
+        if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
         self.llm_engine = LLMEngine(config)
         self._request_counter = count()
+        self.replicas = None
+        if data_parallel_size > 1:  # the same engine N-1 more times, in processes of their own
+            from nanovllm.distributed.data_parallel import DataParallelReplicas
+
+            own = dict(tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                       gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
+                       enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
+                       async_scheduling=async_scheduling, seed=seed, num_gpu_blocks_override=num_gpu_blocks_override,
+                       kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
+                       quantization=quantization, kv_offloading_size=kv_offloading_size,
+                       kv_offloading_backend=kv_offloading_backend, cpu_offload_gb=cpu_offload_gb,
+                       disk_offload_gb=disk_offload_gb, offload_folder=offload_folder,
+                       tensor_parallel_size=tensor_parallel_size)
+            self.replicas = DataParallelReplicas(data_parallel_size, model, {**own, **kwargs})
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -99,6 +116,16 @@ class LLM:
         return self._run(requests, use_tqdm)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+        if self.replicas is not None:
+            for i, (_, prompt_ids, params) in enumerate(requests):  # every prompt checked before any replica starts
+                try:
+                    self.llm_engine.validate_prompt(prompt_ids, params)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+            return self.replicas.run(requests, lambda share: self._run_here(share, use_tqdm))
+        return self._run_here(requests, use_tqdm)
+
+    def _run_here(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         try:

@@ -59,12 +59,15 @@ if [[ $what == offload ]]; then  # KV beyond the GPU and streamed weights (issue
   python3 bench_offload.py weights --model llama3-8b:Q4_K --placements 0:0 0.5:0 0:0.25 2>&1 | grep -v INFO \
     | tee "$OUT/bench_offload_weights.md" | tail -8
 fi
-if [[ $what == tp ]]; then  # tensor parallelism, on a machine of 2 GPUs (nvidia-h100-x2); ~6 minutes
+if [[ $what == tp ]]; then  # tensor and data parallelism, on a machine of 2 GPUs (nvidia-h100-x2); ~8 minutes
   gpu_tests tp tests/test_tensor_parallel.py
   python3 -m nanovllm.weights.synthetic llama3-8b /tmp/llama3-8b >/dev/null
   for tp in 1 2; do
     python3 bench.py --mode decode1 --model /tmp/llama3-8b --tensor-parallel-size $tp 2>&1 | grep -v INFO \
       | tee "$OUT/bench_decode1_llama3_tp$tp.md" | tail -2
+  done
+  for dp in 1 2; do  # data parallel: nano-vLLM's workload twice over
+    python3 bench.py --num-seqs 512 --data-parallel-size $dp 2>&1 | grep -v INFO | tee "$OUT/bench_dp$dp.md" | tail -2
   done
 fi
 if [[ $what == big ]]; then

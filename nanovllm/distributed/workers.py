@@ -1,9 +1,9 @@
 """Tensor parallelism's processes: rank 0 is the engine's own process (scheduler, sampler, detokenizer); ranks
 1..N-1 are spawned here, each building the same ModelRunner over its shard of the weights (the same collectives
 in the same order), then following rank 0: before each forward, each LM head call and each KV block copy of the
-host pool, rank 0 broadcasts the call's inputs, and every rank runs it (its all-reduces and the logits' gather pair up). Only rank 0's results are read.
-A worker that fails puts its rank and traceback on a queue and exits; rank 0's next collective then fails, and
-the error names the rank."""
+host pool, rank 0 broadcasts the call's inputs, and every rank runs it (its all-reduces and the logits' gather
+pair up). Only rank 0's results are read. A worker that fails puts its rank and traceback on a queue and exits;
+rank 0's next collective then fails, and the error names the rank."""
 import dataclasses
 import multiprocessing
 import os

@@ -1,0 +1,92 @@
+"""Data parallelism without Ray: LLM(model, data_parallel_size=N) keeps one engine in the caller's process and
+N-1 more in spawned processes (each on its own GPU: replica i sees only GPU i; on CPU each takes its share of the
+cores). generate() deals a call's requests out, longest prompts first round the replicas so that their work
+evens out, runs its own share while the others run theirs, and gives every output back in input order. A replica
+that fails or dies fails the call with its number and error."""
+import multiprocessing
+import os
+import traceback
+
+from nanovllm.outputs import RequestOutput
+
+
+def _replica_main(index: int, model: str, engine_kwargs: dict, connection):
+    try:
+        if engine_kwargs.get("device", "auto") != "cpu":
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(index)  # before CUDA starts in this process
+        import torch
+
+        from nanovllm import LLM
+
+        if engine_kwargs.get("device") == "cpu" or not torch.cuda.is_available():
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // engine_kwargs.pop("_replicas")))
+        engine_kwargs.pop("_replicas", None)
+        llm = LLM(model, **engine_kwargs)
+        connection.send(("ready", None))
+        while (message := connection.recv()) is not None:
+            connection.send(("outputs", llm._run(message, use_tqdm=False)))
+    except BaseException:  # noqa: BLE001 - reported to the caller, which fails the call
+        connection.send(("error", traceback.format_exc()))
+
+
+class DataParallelReplicas:
+    """Replicas 1..N-1 (replica 0 is the caller's own engine)."""
+
+    def __init__(self, size: int, model: str, engine_kwargs: dict):
+        context = multiprocessing.get_context("spawn")
+        self.connections, self.processes = [], []
+        for index in range(1, size):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_replica_main, daemon=True, name=f"nanovllm-dp{index}",
+                                      args=(index, model, dict(engine_kwargs, _replicas=size), theirs))
+            process.start()
+            self.connections.append(ours)
+            self.processes.append(process)
+        for index in range(1, size):
+            self._receive(index)
+
+    def _died(self, index: int) -> RuntimeError:
+        process = self.processes[index - 1]
+        process.join(timeout=5)
+        return RuntimeError(f"data parallel replica {index} died (exit code {process.exitcode})")
+
+    def _send(self, index: int, message):
+        try:
+            self.connections[index - 1].send(message)
+        except (BrokenPipeError, OSError):
+            raise self._died(index) from None
+
+    def _receive(self, index: int):
+        try:
+            kind, value = self.connections[index - 1].recv()
+        except EOFError:
+            raise self._died(index) from None
+        if kind == "error":
+            raise RuntimeError(f"data parallel replica {index} failed:\n{value}")
+        return value
+
+    def run(self, requests: list, run_local) -> list[RequestOutput]:
+        """requests: (text, token ids, params) each; run_local runs replica 0's share in this process."""
+        size = len(self.processes) + 1
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]))
+        shares = [order[r::size] for r in range(size)]
+        for index in range(1, size):
+            self._send(index, [requests[i] for i in shares[index]])
+        outputs: list[RequestOutput | None] = [None] * len(requests)
+        for i, output in zip(shares[0], run_local([requests[i] for i in shares[0]])):
+            outputs[i] = output
+        for index in range(1, size):
+            for i, output in zip(shares[index], self._receive(index)):
+                output.request_id = f"dp{index}-{output.request_id}"
+                outputs[i] = output
+        return outputs
+
+    def close(self):
+        for connection, process in zip(self.connections, self.processes):
+            try:
+                connection.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
