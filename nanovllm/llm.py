@@ -31,6 +31,19 @@ def _prompt_list(prompts, prompt_token_ids) -> list:
     return list(prompts)
 
 
+def _check_data_parallel(size, config: Config):
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"data_parallel_size must be an integer >= 1, got {size!r}")
+    if size > 1 and config.tensor_parallel_size > 1:
+        raise ValueError("data_parallel_size with tensor_parallel_size > 1 is not built yet: use one of them")
+    if size > 1 and config.device.startswith("cuda"):
+        import torch
+
+        if size > torch.cuda.device_count():
+            raise ValueError(f"data_parallel_size={size} but torch sees {torch.cuda.device_count()} GPU(s): lower it "
+                             "to at most that")
+
+
 class LLM:
     """vLLM's offline entry point: LLM(model).generate(prompts, SamplingParams(...))."""
 
@@ -59,8 +72,7 @@ class LLM:
                         kv_offloading_backend=kv_offloading_backend, cpu_offload_gb=cpu_offload_gb,
                         disk_offload_gb=disk_offload_gb, offload_folder=offload_folder,
                         tensor_parallel_size=tensor_parallel_size)
-        if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
+        _check_data_parallel(data_parallel_size, config)
         self.llm_engine = LLMEngine(config)
         self._request_counter = count()
         self.replicas = None

@@ -43,6 +43,10 @@ def test_a_dead_replica_fails_the_call_with_its_number(tiny_model_dir):
     llm.replicas.close()
 
 
-def test_data_parallel_size_must_be_a_positive_integer(tiny_model_dir):
-    with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
-        LLM(tiny_model_dir("tiny-llama"), data_parallel_size=0, **ENGINE)
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(data_parallel_size=0), "data_parallel_size must be an integer >= 1"),
+    (dict(data_parallel_size=2, tensor_parallel_size=2), "not built yet"),
+])
+def test_bad_data_parallel_settings_name_the_problem(tiny_model_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model_dir("tiny-llama"), **kwargs, **ENGINE)

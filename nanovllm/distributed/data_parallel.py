@@ -12,8 +12,9 @@ from nanovllm.outputs import RequestOutput
 
 def _replica_main(index: int, model: str, engine_kwargs: dict, connection):
     try:
-        if engine_kwargs.get("device", "auto") != "cpu":
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(index)  # before CUDA starts in this process
+        if engine_kwargs.get("device", "auto") != "cpu":  # the index-th GPU the caller sees, before CUDA starts here
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
         import torch
 
         from nanovllm import LLM
