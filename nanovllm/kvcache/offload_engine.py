@@ -12,8 +12,9 @@ forward() is a step's attention where some sequence has offloaded blocks (the sc
 blocks to the pool when the GPU runs out, engine/block_manager.offload): per sequence, its resident blocks from the
 device cache and its offloaded ones through the ring, merged. It runs eagerly. With `fast` (the Triton kernels on
 CUDA) the rows attend to their resident blocks by the paged decode (decode rows) and the causal paged prefill (prompt
-chunks), and every row to each slot by the paged decode, each kernel giving its log-sum-exp; without it, plain
-torch (attention/merge.py, the twin)."""
+chunks), and to each slot by the paged decode (decode rows) or torch's flash attention (prompt chunks), each
+giving its log-sum-exp; a sequence's parts merge once a layer. Without it, plain torch (attention/merge.py, the
+twin)."""
 from collections import deque
 
 import torch
