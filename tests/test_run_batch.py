@@ -106,3 +106,14 @@ def test_the_command_runs_as_a_program(tiny_model_dir, batch_file, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "run-batch: 3 requests served" in done.stdout and "6 lines not served" in done.stdout
     assert len(results(tmp_path)) == 3
+
+
+def test_two_data_parallel_replicas_write_what_one_engine_writes(tiny_model_dir, batch_file, tmp_path):
+    model = tiny_model_dir("tiny-llama")
+    for name, extra in (("one.jsonl", []), ("two.jsonl", ["--data-parallel-size", "2"])):
+        assert cli.main(["run-batch", "-i", str(batch_file), "-o", str(tmp_path / name), "--model", model,
+                         "--device", "cpu", "--max-model-len", "64", *extra]) == 0
+    one, two = results(tmp_path, "one.jsonl"), results(tmp_path, "two.jsonl")
+    for entry in one + two:
+        entry["response"]["body"].pop("created")
+    assert one == two and [entry["custom_id"] for entry in two] == ["c1", "c2", "c9"]

@@ -3,9 +3,11 @@ N-1 more in spawned processes (each on its own GPU: replica i sees only GPU i; o
 cores). generate() deals a call's requests out, longest prompts first round the replicas so that their work
 evens out, runs its own share while the others run theirs, and gives every output back in input order. A replica
 that fails or dies fails the call with its number and error."""
+import contextlib
 import multiprocessing
 import os
 import traceback
+import weakref
 
 from nanovllm.outputs import RequestOutput
 
@@ -26,8 +28,11 @@ def _replica_main(index: int, model: str, engine_kwargs: dict, connection):
         connection.send(("ready", None))
         while (message := connection.recv()) is not None:
             connection.send(("outputs", llm._run(message, use_tqdm=False)))
+    except EOFError:  # the caller is gone
+        pass
     except BaseException:  # noqa: BLE001 - reported to the caller, which fails the call
-        connection.send(("error", traceback.format_exc()))
+        with contextlib.suppress(OSError):
+            connection.send(("error", traceback.format_exc()))
 
 
 class DataParallelReplicas:
@@ -43,6 +48,7 @@ class DataParallelReplicas:
             process.start()
             self.connections.append(ours)
             self.processes.append(process)
+        self._finalizer = weakref.finalize(self, _close, self.connections, self.processes)
         for index in range(1, size):
             self._receive(index)
 
@@ -83,11 +89,13 @@ class DataParallelReplicas:
         return outputs
 
     def close(self):
-        for connection, process in zip(self.connections, self.processes):
-            try:
-                connection.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
+        self._finalizer()
+
+
+def _close(connections, processes):
+    for connection, process in zip(connections, processes):
+        with contextlib.suppress(OSError):
+            connection.send(None)
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
