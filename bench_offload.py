@@ -36,6 +36,7 @@ import torch
 from bench import resolve_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.comm import sgdma
+from nanovllm.streaming.layer_file import aligned
 from nanovllm.streaming.layer_streamer import streamed_bytes
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -194,16 +195,25 @@ def decode_tok_s(llm: LLM, batch: int, output_len: int) -> float:
 
 
 def disk_bandwidth(streamer) -> float:
-    """Bytes a second of reading the streamer's disk layers back as it does (O_DIRECT where allowed), the best of
-    three passes."""
-    layers = sorted(streamer.disk)
-    passes = []
+    """Bytes a second of reading the streamer's disk layers back as it does (kvikio into a slot, or positional reads
+    with O_DIRECT where allowed), the best of three passes."""
+    layers, passes = sorted(streamer.disk), []
     for _ in range(3):
         start = time.perf_counter()
         for index in layers:
-            streamer.layer_file.read_into(index, streamer.staging[0])
+            if streamer.kvikio is not None:
+                offset, nbytes = streamer.layer_file.places[index]
+                streamer.kvikio.read(offset, aligned(nbytes), streamer.slots[0]).wait()
+            else:
+                streamer.layer_file.read_into(index, streamer.staging[0])
         passes.append(time.perf_counter() - start)
     return sum(streamer.sizes[i] for i in layers) / min(passes)
+
+
+def disk_reads(streamer) -> str:
+    if streamer.kvikio is not None:
+        return "kvikio" if streamer.kvikio.gds else "kvikio compatibility mode"
+    return f"positional reads, O_DIRECT {'on' if streamer.layer_file.direct else 'off'}"
 
 
 def weights_rows(args, model: str, layers_bytes: int, bw: float, resident: dict, host: float, disk: float) -> list:
@@ -216,8 +226,7 @@ def weights_rows(args, model: str, layers_bytes: int, bw: float, resident: dict,
     disk_bw = disk_bandwidth(streamer) if disk_bytes else None
     step_bound = host_bytes / bw + (disk_bytes / disk_bw if disk_bytes else 0)  # seconds a step, one sequence or many
     where = f"{host:.0%} host ({host_bytes / 1e9:.1f} GB)" + (f", {disk:.0%} disk ({disk_bytes / 1e9:.1f} GB at "
-                                                               f"{disk_bw / 1e9:.2f} GB/s, O_DIRECT "
-                                                               f"{'on' if streamer.layer_file.direct else 'off'})"
+                                                               f"{disk_bw / 1e9:.2f} GB/s, {disk_reads(streamer)})"
                                                                if disk_bytes else "")
     for batch in args.batch_sizes:
         tps = decode_tok_s(llm, batch, min(args.output_len, 8) if disk_bytes else args.output_len)  # disk: seconds a step

@@ -11,6 +11,9 @@ what=${1:-all}
 # the device lacks gguf and the network: carry its wheel in .whl/ and a tokenizer donor (../shared/peers/tok.gguf)
 # in .peers/ for the synthetic GGUF files
 ls .whl/gguf-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/gguf-*.whl 2>&1 | grep -v WARN
+# kvikio for the disk tier (kvikio-cu13, libkvikio-cu13, rapids-logger wheels), where they were carried
+ls .whl/kvikio*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/*kvikio*.whl .whl/rapids_logger*.whl \
+  2>&1 | grep -v WARN
 [[ -f .peers/tok.gguf ]] && export NANOVLLM_TOKENIZER_GGUF=$PWD/.peers/tok.gguf
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"

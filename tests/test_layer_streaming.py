@@ -149,3 +149,24 @@ def test_a_damaged_layer_file_is_a_clear_error(six_layers, tmp_path, damage, err
     damage(layer_file.path)
     with pytest.raises(error, match=message):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kvikio_reads_what_the_plain_reads_read(tmp_path):
+    """kvikio (GDS or its compatibility mode) into GPU memory against the layer file's own positional reads."""
+    pytest.importorskip("kvikio")
+    from nanovllm.streaming.kvikio_reader import KvikioReader
+
+    layer_file = LayerFile(str(tmp_path))
+    written = [torch.randint(0, 256, (n,), dtype=torch.uint8) for n in (5000, 12288, 4096 * 3 + 7)]
+    for index, buffer in enumerate(written):
+        layer_file.write(index, buffer)
+    reader = KvikioReader(layer_file.path)
+    for index, buffer in enumerate(written):
+        offset, nbytes = layer_file.places[index]
+        on_gpu = torch.empty(aligned(nbytes), dtype=torch.uint8, device="cuda")
+        reader.read(offset, aligned(nbytes), on_gpu).wait()
+        plain = torch.empty(aligned(nbytes), dtype=torch.uint8)
+        layer_file.read_into(index, plain)
+        assert torch.equal(on_gpu[:nbytes].cpu(), buffer) and torch.equal(plain[:nbytes], buffer)

@@ -1,7 +1,7 @@
 """The disk tier: streamed layers' packed weights in one file (written at load into offload_folder, deleted with
 the engine), each at an offset aligned for O_DIRECT, and read back by positional reads. O_DIRECT where the file
 system takes it, so that a read comes from the disk and not the page cache; buffered reads elsewhere, and the log
-says so once. kvikio (GPUDirect Storage) reading straight into GPU memory is the fast path still to come."""
+says so once. On CUDA with kvikio installed, streaming/kvikio_reader.py reads the same offsets into GPU memory."""
 import contextlib
 import os
 import tempfile
@@ -40,8 +40,6 @@ class LayerFile:
 
     def _open(self) -> int:
         if self.fd is None:
-            log_once("weights on disk are read by plain positional reads (through a pinned staging buffer on CUDA): "
-                     "kvikio / GPUDirect Storage is not used yet")
             if not os.path.exists(self.path):
                 raise FileNotFoundError(f"the streamed weights' file {self.path} is gone (disk_offload_gb keeps layers "
                                         "there while the engine runs): leave offload_folder alone, or start again")

@@ -6,13 +6,15 @@ layer computes, the next streamed layers load into the other slots on a transfer
 compute, "consumed" events gate the overwrite); a layer still in a slot from before is not copied again, and the
 slot given up is the one whose layer runs furthest ahead in the cyclic layer order. On CPU the slots are host
 tensors and the copies plain: the same bookkeeping, tested in CI. Steps run eagerly (hooks, not captured in CUDA
-graphs). A disk read blocks the host while the device computes the layers already launched."""
+graphs). Disk reads go by kvikio straight into a slot where it is installed (streaming/kvikio_reader.py), waited
+for when the layer runs; else a positional read blocks the host while the device computes the layers launched."""
 import torch
 from torch import nn
 
 from nanovllm.cache_dir import cache_dir
 from nanovllm.host_memory import require_disk_space, require_host_memory
-from nanovllm.logger import logger
+from nanovllm.logger import log_once, logger
+from nanovllm.streaming.kvikio_reader import PendingRead, open_kvikio
 from nanovllm.streaming.layer_file import LayerFile, aligned
 from nanovllm.streaming.placement import plan_placement
 
@@ -36,8 +38,12 @@ class LayerStreamer:
         size = aligned(max(self.sizes.values()))  # whole pages: a disk read lands in a slot whole
         self.num_slots = min(num_slots, len(self.streamed))
         self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(self.num_slots)]
+        self.kvikio = open_kvikio(layer_file.path) if self.cuda and self.disk else None
+        if self.disk and not self.cuda:
+            log_once("weights on disk are read by plain positional reads into host slots (CPU)")
+        self.reads: dict[int, PendingRead] = {}  # slot -> its kvikio read under way
         self.staging = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(self.num_slots)] \
-            if self.cuda and self.disk else None
+            if self.cuda and self.disk and self.kvikio is None else None
         self.slot_layer: list[int | None] = [None] * self.num_slots
         self.slot_of: dict[int, int] = {}
         self.num_loads = 0  # statistics: layer copies into a slot
@@ -106,6 +112,11 @@ class LayerStreamer:
         if index in self.disk and not self.cuda:
             self.layer_file.read_into(index, self.slots[slot])
             return
+        if index in self.disk and self.kvikio is not None:  # straight into the slot, once its last layer is done
+            self.consumed[slot].synchronize()
+            offset, nbytes = self.layer_file.places[index]
+            self.reads[slot] = self.kvikio.read(offset, aligned(nbytes), self.slots[slot])
+            return
         if index in self.disk:  # staged: the slot's last copy out of its staging buffer must be done first
             self.loaded[slot].synchronize()
             self.layer_file.read_into(index, self.staging[slot])
@@ -125,7 +136,9 @@ class LayerStreamer:
         if index not in self.slot_of:
             self._load(index, self._victim(index, set()))
         slot = self.slot_of[index]
-        if self.cuda:
+        if slot in self.reads:
+            self.reads.pop(slot).wait()
+        elif self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.loaded[slot])
         buffer = self.slots[slot]
         for holder, key, offset, shape, dtype in self.entries[index]:
