@@ -230,21 +230,28 @@ def bench_sweep(args, model, dtype):
     for bs, tps, bound in rows:
         print(f"| {bs} | {tps:,.0f} | {f'{bound:,.0f}' if bound else ''} | {f'{tps / bound:.0%}' if bound else ''} |")
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r[0] for r in rows], [r[1] for r in rows], "o-", label="nanovllm decode")
+        curves = {"nanovllm decode": ([r[0] for r in rows], [r[1] for r in rows], "o-")}
         if bw:
-            ax.plot([r[0] for r in rows], [r[2] for r in rows], "--", label="HBM bound (weights + KV)")
-        ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="output tok/s",
-               title=f"{os.path.basename(str(args.model))} {str(dtype).removeprefix('torch.')}, {device_name(args)}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"plot: {args.plot}")
+            curves["HBM bound (weights + KV)"] = ([r[0] for r in rows], [r[2] for r in rows], "--")
+        plot_against_batch(args.plot, curves, f"{os.path.basename(str(args.model))} "
+                           f"{str(dtype).removeprefix('torch.')}, {device_name(args)}")
+
+
+def plot_against_batch(path: str, curves: dict, title: str):
+    """A PNG of output tok/s against batch size, log-log: curves maps a label to (batch sizes, tok/s, line style)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, (xs, ys, style) in curves.items():
+        ax.plot(xs, ys, style, label=label)
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="output tok/s", title=title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
 
 
 def bench_prefill(args, model, dtype, hf_config):

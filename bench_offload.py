@@ -2,7 +2,7 @@
 
     python bench_offload.py copies   # KV blocks between the GPU cache and a pinned host pool
     python bench_offload.py long [--model qwen3-0.6b] [--prompt-len 8192 32768] [--gpu-tokens 2048]
-    python bench_offload.py weights [--model llama3-8b] [--batch-sizes 1 64]  # decoder layers streamed from host memory
+    python bench_offload.py weights [--model llama3-8b] [--batch-sizes 1 64] [--plot curve.png]  # streamed weights
     python bench_offload.py batch --prompt-len 8192 --batch-sizes 16 [--kv-multiple 3]  # swap against recompute
 
 copies: whole blocks (every layer, K and V) of a Llama-3-8B-shape KV cache (32 layers, 8 KV heads of 128, bf16) moved
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench import resolve_model
+from bench import plot_against_batch, resolve_model
 from nanovllm import LLM, SamplingParams
 from nanovllm.comm import sgdma
 from nanovllm.streaming.layer_file import aligned
@@ -220,7 +220,7 @@ def weights_rows(args, model: str, layers_bytes: int, bw: float, resident: dict,
     gib = layers_bytes / (1 << 30)
     llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, gpu_memory_utilization=0.5,
               cpu_offload_gb=host * gib, disk_offload_gb=disk * gib)
-    streamer, rows = llm.llm_engine.model_runner.streamer, []
+    streamer, rows, curve = llm.llm_engine.model_runner.streamer, [], []
     disk_bytes = sum(streamer.sizes[i] for i in streamer.disk) if streamer and streamer.disk else 0
     host_bytes = (sum(streamer.sizes.values()) if streamer else 0) - disk_bytes
     disk_bw = disk_bandwidth(streamer) if disk_bytes else None
@@ -233,10 +233,11 @@ def weights_rows(args, model: str, layers_bytes: int, bw: float, resident: dict,
         resident.setdefault(batch, tps)
         bound = f"{batch / step_bound:,.1f} tok/s ({tps * step_bound / batch:.0%})" if step_bound else ""
         rows.append(f"| {where} | {batch} | {tps:,.1f} | {tps / resident[batch]:.2f}x | {bound} |")
+        curve.append((batch, tps, batch / step_bound if step_bound else None))
     del llm, streamer
     gc.collect()  # the streamer's hooks and the model hold each other
     torch.cuda.empty_cache()
-    return rows
+    return rows, where.split(" (")[0] if host or disk else "resident", curve
 
 
 def bench_weights(args):
@@ -248,21 +249,28 @@ def bench_weights(args):
     del llm, layers
     gc.collect()
     torch.cuda.empty_cache()
-    rows, resident = [], {}
+    rows, resident, curves = [], {}, {}
     for host, disk in args.placements:
-        rows += weights_rows(args, model, layers_bytes, bw, resident, host, disk)
+        placement_rows, label, curve = weights_rows(args, model, layers_bytes, bw, resident, host, disk)
+        rows += placement_rows
+        curves[label] = ([c[0] for c in curve], [c[1] for c in curve], "o-")
+        if curve[0][2]:
+            curves[f"{label}: bound"] = ([c[0] for c in curve], [c[2] for c in curve], "--")
     print(f"\n| device | date | config |\n|---|---|---|\n| {torch.cuda.get_device_name()} | {datetime.date.today()} | "
           f"{args.model} ({layers_bytes / 1e9:.1f} GB of decoder layers), 128-token prompts, {args.output_len} greedy "
           f"tokens; pinned H2D {bw / 1e9:.1f} GB/s |\n")
     print("| decoder weights streamed from | batch | decode tok/s | vs resident | bound (streamed bytes a step / each "
           "tier's bandwidth) |\n|---|---|---|---|---|")
     print("\n".join(rows))
+    if args.plot:
+        plot_against_batch(args.plot, curves, f"{args.model}, weights streamed, {torch.cuda.get_device_name()}")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["copies", "long", "weights", "batch"])
     ap.add_argument("--kv-multiple", type=float, default=3.0, help="batch mode: the batch's KV over the GPU's")
+    ap.add_argument("--plot", default=None, help="weights mode: a PNG of decode tok/s against batch size here")
     ap.add_argument("--model", default="qwen3-0.6b")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[8192], help="long mode: one run each")

@@ -55,12 +55,14 @@ if [[ $what == peer ]]; then  # after scripts/build_llama_cpp.sh
   python3 scripts/peer_llama_cpp.py F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp.md" | tail -4
   python3 scripts/peer_llama_cpp.py --shape small F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp_small.md" | tail -4
 fi
-if [[ $what == offload ]]; then  # KV beyond the GPU and streamed weights (issues #42, #43); ~9 minutes
+if [[ $what == offload ]]; then  # KV beyond the GPU and streamed weights (issues #42, #43); over 10 minutes: run its lines in two calls
   python3 bench_offload.py copies 2>&1 | grep -v INFO | tee "$OUT/bench_offload_copies.md" | tail -14
   python3 bench_offload.py long --model qwen3-0.6b --prompt-len 8192 32768 131072 --gpu-tokens 2048 2>&1 \
     | grep -v INFO | tee "$OUT/bench_offload_long.md" | tail -7
   python3 bench_offload.py weights --model llama3-8b:Q4_K --placements 0:0 0.5:0 0:0.25 2>&1 | grep -v INFO \
     | tee "$OUT/bench_offload_weights.md" | tail -8
+  python3 bench_offload.py weights --model llama3-8b:Q4_K --placements 0:0 0.5:0 --batch-sizes 1 8 32 64 128 256 \
+    --plot "$OUT/streamed_vs_batch.png" 2>&1 | grep -v INFO | tee "$OUT/bench_offload_weights_curve.md" | tail -14
 fi
 if [[ $what == tp ]]; then  # tensor and data parallelism, on a machine of 2 GPUs (nvidia-h100-x2); ~8 minutes
   gpu_tests tp tests/test_tensor_parallel.py
