@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
-#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv|offload|tp]
+#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv|offload|weights|tp]
 # Slow tests (the bundled model, which the device cannot fetch) are left out. `tests` is tests1 then tests2;
 # together they take longer than one 10-minute device call (with flash_attn importable, ~190 tests ran in 540 s), so
 # a call runs one of them. tests2 alone is ~8-9 minutes (142 of test_triton_kernels.py's 240 tests ran in 300 s).
@@ -55,10 +55,14 @@ if [[ $what == peer ]]; then  # after scripts/build_llama_cpp.sh
   python3 scripts/peer_llama_cpp.py F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp.md" | tail -4
   python3 scripts/peer_llama_cpp.py --shape small F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp_small.md" | tail -4
 fi
-if [[ $what == offload ]]; then  # KV beyond the GPU and streamed weights (issues #42, #43); over 10 minutes: run its lines in two calls
+if [[ $what == offload ]]; then  # KV beyond the GPU (issue #42); ~7 minutes
   python3 bench_offload.py copies 2>&1 | grep -v INFO | tee "$OUT/bench_offload_copies.md" | tail -14
   python3 bench_offload.py long --model qwen3-0.6b --prompt-len 8192 32768 131072 --gpu-tokens 2048 2>&1 \
     | grep -v INFO | tee "$OUT/bench_offload_long.md" | tail -7
+  python3 bench_offload.py batch --prompt-len 4096 --output-len 512 --batch-sizes 16 2>&1 | grep -v INFO \
+    | tee "$OUT/bench_offload_batch.md" | tail -6
+fi
+if [[ $what == weights ]]; then  # weights streamed from host memory and disk (issue #43); ~6 minutes
   python3 bench_offload.py weights --model llama3-8b:Q4_K --placements 0:0 0.5:0 0:0.25 2>&1 | grep -v INFO \
     | tee "$OUT/bench_offload_weights.md" | tail -8
   python3 bench_offload.py weights --model llama3-8b:Q4_K --placements 0:0 0.5:0 --batch-sizes 1 8 32 64 128 256 \
