@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench import plot_against_batch, resolve_model
+from bench import plot_against_batch, resolve_model, timed_generate
 from nanovllm import LLM, SamplingParams
 from nanovllm.comm import sgdma
 from nanovllm.streaming.layer_file import aligned
@@ -101,11 +101,7 @@ def bench_copies(args):
 
 def generate_seconds(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens, detokenize=False)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return timed_generate(llm, prompts, params, "cuda")[0]
 
 
 def bench_long(args):

@@ -37,6 +37,13 @@ class ModelConfig:
         return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
 
+def require_gpus(device: str, count: int, setting: str):
+    """A setting that takes one GPU a process: at most as many as torch sees (on CPU, processes are not GPUs)."""
+    if device.startswith("cuda"):
+        _require(count <= torch.cuda.device_count(), f"{setting}={count} but torch sees {torch.cuda.device_count()} "
+                 "GPU(s): lower it to at most that")
+
+
 @dataclass
 class Config:
     """Every engine setting, validated once: an error names the field and the fix."""
@@ -110,9 +117,7 @@ class Config:
         _require(isinstance(size, int) and size >= 1, f"tensor_parallel_size must be an integer >= 1, got {size!r}")
         if size == 1:
             return
-        if self.device.startswith("cuda"):
-            _require(size <= torch.cuda.device_count(), f"tensor_parallel_size={size} but torch sees "
-                     f"{torch.cuda.device_count()} GPU(s): lower it to at most that")
+        require_gpus(self.device, size, "tensor_parallel_size")
         for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
             value = getattr(hf_config, name, None)
             _require(value is None or value % size == 0,

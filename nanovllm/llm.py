@@ -4,7 +4,7 @@ from itertools import count
 
 from tqdm.auto import tqdm
 
-from nanovllm.config import Config
+from nanovllm.config import Config, require_gpus
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine_args import check_vllm_args
 from nanovllm.inputs import PromptType
@@ -36,12 +36,8 @@ def _check_data_parallel(size, config: Config):
         raise ValueError(f"data_parallel_size must be an integer >= 1, got {size!r}")
     if size > 1 and config.tensor_parallel_size > 1:
         raise ValueError("data_parallel_size with tensor_parallel_size > 1 is not built yet: use one of them")
-    if size > 1 and config.device.startswith("cuda"):
-        import torch
-
-        if size > torch.cuda.device_count():
-            raise ValueError(f"data_parallel_size={size} but torch sees {torch.cuda.device_count()} GPU(s): lower it "
-                             "to at most that")
+    if size > 1:
+        require_gpus(config.device, size, "data_parallel_size")
 
 
 class LLM:
@@ -60,18 +56,19 @@ class LLM:
         """nanovllm's own arguments are named here; **kwargs takes vLLM's other engine arguments
         (nanovllm.engine_args: accepted where they ask for nothing nanovllm lacks)."""
         check_vllm_args(kwargs)
-        config = Config(model=model, tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
-                        max_num_seqs=256 if max_num_seqs is None else max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens,
-                        gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-                        enable_prefix_caching=enable_prefix_caching is not False, enforce_eager=enforce_eager,
-                        async_scheduling=async_scheduling, seed=0 if seed is None else seed,
-                        num_gpu_blocks_override=num_gpu_blocks_override,
-                        kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
-                        quantization=quantization, kv_offloading_size=kv_offloading_size,
-                        kv_offloading_backend=kv_offloading_backend, cpu_offload_gb=cpu_offload_gb,
-                        disk_offload_gb=disk_offload_gb, offload_folder=offload_folder,
-                        tensor_parallel_size=tensor_parallel_size)
+        # as given: the data-parallel replicas are built from the same arguments
+        engine_args = dict(
+            tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
+            block_size=block_size, enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
+            async_scheduling=async_scheduling, seed=seed, num_gpu_blocks_override=num_gpu_blocks_override,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend, quantization=quantization,
+            kv_offloading_size=kv_offloading_size, kv_offloading_backend=kv_offloading_backend,
+            cpu_offload_gb=cpu_offload_gb, disk_offload_gb=disk_offload_gb, offload_folder=offload_folder,
+            tensor_parallel_size=tensor_parallel_size)
+        config = Config(model=model, **{**engine_args, "max_num_seqs": 256 if max_num_seqs is None else max_num_seqs,
+                                        "enable_prefix_caching": enable_prefix_caching is not False,
+                                        "seed": 0 if seed is None else seed})
         _check_data_parallel(data_parallel_size, config)
         self.llm_engine = LLMEngine(config)
         self._request_counter = count()
@@ -79,17 +76,7 @@ class LLM:
         if data_parallel_size > 1:  # the same engine N-1 more times, in processes of their own
             from nanovllm.distributed.data_parallel import DataParallelReplicas
 
-            own = dict(tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
-                       max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                       gpu_memory_utilization=gpu_memory_utilization, block_size=block_size,
-                       enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
-                       async_scheduling=async_scheduling, seed=seed, num_gpu_blocks_override=num_gpu_blocks_override,
-                       kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend,
-                       quantization=quantization, kv_offloading_size=kv_offloading_size,
-                       kv_offloading_backend=kv_offloading_backend, cpu_offload_gb=cpu_offload_gb,
-                       disk_offload_gb=disk_offload_gb, offload_folder=offload_folder,
-                       tensor_parallel_size=tensor_parallel_size)
-            self.replicas = DataParallelReplicas(data_parallel_size, model, {**own, **kwargs})
+            self.replicas = DataParallelReplicas(data_parallel_size, model, {**engine_args, **kwargs})
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

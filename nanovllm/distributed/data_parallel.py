@@ -12,7 +12,7 @@ import weakref
 from nanovllm.outputs import RequestOutput
 
 
-def _replica_main(index: int, model: str, engine_kwargs: dict, connection):
+def _replica_main(index: int, replicas: int, model: str, engine_kwargs: dict, connection):
     try:
         if engine_kwargs.get("device", "auto") != "cpu":  # the index-th GPU the caller sees, before CUDA starts here
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -20,10 +20,10 @@ def _replica_main(index: int, model: str, engine_kwargs: dict, connection):
         import torch
 
         from nanovllm import LLM
+        from nanovllm.distributed.parallel_state import share_cpu_threads
 
         if engine_kwargs.get("device") == "cpu" or not torch.cuda.is_available():
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // engine_kwargs.pop("_replicas")))
-        engine_kwargs.pop("_replicas", None)
+            share_cpu_threads(replicas)
         llm = LLM(model, **engine_kwargs)
         connection.send(("ready", None))
         while (message := connection.recv()) is not None:
@@ -44,7 +44,7 @@ class DataParallelReplicas:
         for index in range(1, size):
             ours, theirs = context.Pipe()
             process = context.Process(target=_replica_main, daemon=True, name=f"nanovllm-dp{index}",
-                                      args=(index, model, dict(engine_kwargs, _replicas=size), theirs))
+                                      args=(index, size, model, engine_kwargs, theirs))
             process.start()
             self.connections.append(ours)
             self.processes.append(process)

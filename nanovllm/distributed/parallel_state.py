@@ -2,6 +2,7 @@
 collectives the sharded layers call. NCCL between GPUs, gloo between CPU processes; rank 0's step commands go over
 a gloo group either way (host objects)."""
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -36,17 +37,16 @@ def destroy_tensor_parallel():
     _rank, _size, _control = 0, 1, None
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum over ranks, in place (x itself without a group)."""
+def all_reduce(x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """The sum (or op) over ranks, in place (x itself without a group)."""
     if _size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, op=op)
     return x
 
 
-def all_reduce_min(x: torch.Tensor) -> torch.Tensor:
-    if _size > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.MIN)
-    return x
+def share_cpu_threads(processes: int):
+    """Processes on one CPU split its cores (each would otherwise take them all)."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:

@@ -6,14 +6,18 @@ pair up). Only rank 0's results are read. A worker that fails puts its rank and 
 rank 0's next collective then fails, and the error names the rank."""
 import dataclasses
 import multiprocessing
-import os
 import socket
 import traceback
 import weakref
 
 import torch
 
-from nanovllm.distributed.parallel_state import broadcast_command, destroy_tensor_parallel, init_tensor_parallel
+from nanovllm.distributed.parallel_state import (
+    broadcast_command,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+    share_cpu_threads,
+)
 from nanovllm.logger import log_once
 
 
@@ -29,18 +33,13 @@ def _moved(value, device: torch.device):
     return value
 
 
-def _share_threads(size: int):
-    """CPU ranks split the cores (each would otherwise take them all)."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-
-
 def _worker_main(config, rank: int, init_method: str, stop_token_ids: set[int], errors):
     try:
         from nanovllm.engine.model_runner import ModelRunner
 
         device = torch.device(config.device)
         if device.type == "cpu":
-            _share_threads(config.tensor_parallel_size)
+            share_cpu_threads(config.tensor_parallel_size)
         init_tensor_parallel(rank, config.tensor_parallel_size, init_method, device)
         runner = ModelRunner(config, stop_token_ids)
         calls = {"forward": runner.model, "logits": runner.model.compute_logits}
@@ -74,7 +73,7 @@ class TensorParallelWorkers:
             process.start()
         device = torch.device(config.device)
         if device.type == "cpu":
-            _share_threads(size)
+            share_cpu_threads(size)
         log_once(f"tensor parallel over {size} {'GPUs (NCCL)' if device.type == 'cuda' else 'CPU processes (gloo)'}")
         init_tensor_parallel(0, size, init_method, device)
         self._finalizer = weakref.finalize(self, _shut_down, self.processes)

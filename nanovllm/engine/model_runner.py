@@ -5,11 +5,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from torch.distributed import ReduceOp
 
 from nanovllm.attention import AttentionMetadata, get_attention_backend
 from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles
 from nanovllm.config import Config
-from nanovllm.distributed.parallel_state import all_reduce_min, tp_size
+from nanovllm.distributed.parallel_state import all_reduce, tp_size
 from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.sequence import Sequence
 from nanovllm.host_memory import require_host_memory
@@ -322,7 +323,7 @@ class ModelRunner:
         else:
             num_blocks = self._profile_gpu_blocks()
         if tp_size() > 1:  # every rank holds the same blocks (of its heads): as many as the fullest GPU allows
-            num_blocks = int(all_reduce_min(torch.tensor([num_blocks], device=self.device)).item())
+            num_blocks = int(all_reduce(torch.tensor([num_blocks], device=self.device), ReduceOp.MIN).item())
         host_blocks = self._num_host_blocks()
         capacity = (num_blocks + host_blocks) * self.block_size
         max_len = cfg.model_config.max_model_len

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 
 from nanovllm.sampling_params import SamplingParams
 
-OUTPUT_COLUMNS = ("generated_text", "generated_token_ids", "num_input_tokens", "num_generated_tokens")
-
 
 @dataclass
 class ProcessorConfig:
