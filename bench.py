@@ -91,11 +91,15 @@ def make_llm(args, model, dtype, **settings) -> LLM:
     or --max-num-seqs say otherwise (users' defaults: the figures are the ones they get)."""
     llm = LLM(model, device=args.device, dtype=dtype, attention_backend=args.attention_backend,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, quantization=args.quantization,
-              tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size, **settings)
+              tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+              disable_custom_all_reduce=args.disable_custom_all_reduce, **settings)
     engine = llm.llm_engine
     args.engine_used = (f"quantization {engine.model_config.quantization}, "
                         f"attention backend {engine.model_runner.backend.name}, max_model_len "
-                        f"{engine.model_config.max_model_len}, max_num_seqs {engine.config.max_num_seqs}")
+                        f"{engine.model_config.max_model_len}, max_num_seqs {engine.config.max_num_seqs}"
+                        + (f", tensor parallel {args.tensor_parallel_size}"
+                           f"{' (NCCL only)' if args.disable_custom_all_reduce else ''}"
+                           if args.tensor_parallel_size > 1 else ""))
     return llm
 
 
@@ -297,6 +301,8 @@ def main():
     ap.add_argument("--quantization", default=None, help="gguf, none, fp8, int8 or int4; default: the engine's")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model's heads and rows split over")
+    ap.add_argument("--disable-custom-all-reduce", action="store_true", help="tensor parallel: NCCL for every "
+                    "all-reduce (vLLM's flag)")
     ap.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas, a GPU each (the roofline "
                     "column then counts replica 0's bytes only)")
     ap.add_argument("--attention-backend", default=None, help="torch, triton or flash_attn; default: the engine's")

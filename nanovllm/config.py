@@ -74,6 +74,7 @@ class Config:
     disk_offload_gb: float = 0  # GiB of decoder-layer weights read from a file in offload_folder as they run
     offload_folder: str | None = None  # None: NANOVLLM_CACHE (default ~/.cache/nanovllm) / offload
     tensor_parallel_size: int = 1  # processes the model's heads and rows are split over (GPUs, or CPU processes)
+    disable_custom_all_reduce: bool = False  # True: every all-reduce between GPUs runs NCCL (vLLM's name)
     model_config: ModelConfig = field(init=False)
 
     def __post_init__(self):

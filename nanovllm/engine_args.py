@@ -14,7 +14,7 @@ NO_EFFECT = frozenset({
     "trust_remote_code", "revision", "tokenizer_revision", "code_revision", "download_dir", "hf_token",
     "served_model_name", "disable_log_stats", "aggregate_engine_logging", "host_pool", "max_logprobs",
     "compilation_config", "cuda_graph_sizes", "cudagraph_capture_sizes", "max_cudagraph_capture_size",
-    "max_seq_len_to_capture", "max_context_len_to_capture", "disable_custom_all_reduce",
+    "max_seq_len_to_capture", "max_context_len_to_capture",
     "max_parallel_loading_workers", "ray_workers_use_nsight", "use_tqdm_on_load", "pt_load_map_location",
     "safetensors_load_strategy", "prefix_caching_hash_algo", "disable_cascade_attn", "disable_sliding_window",
     "use_v2_block_manager", "disable_async_output_proc", "enable_chunked_prefill", "tokenizer_pool_size",

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
-#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv|offload|weights|tp]
+#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv|offload|weights|tp|dp]
 # Slow tests (the bundled model, which the device cannot fetch) are left out. `tests` is tests1 then tests2;
 # together they take longer than one 10-minute device call (with flash_attn importable, ~190 tests ran in 540 s), so
 # a call runs one of them. tests2 alone is ~8-9 minutes (142 of test_triton_kernels.py's 240 tests ran in 300 s).
@@ -68,14 +68,20 @@ if [[ $what == weights ]]; then  # weights streamed from host memory and disk (i
   python3 bench_offload.py weights --model llama3-8b:Q4_K --placements 0:0 0.5:0 --batch-sizes 1 8 32 64 128 256 \
     --plot "$OUT/streamed_vs_batch.png" 2>&1 | grep -v INFO | tee "$OUT/bench_offload_weights_curve.md" | tail -14
 fi
-if [[ $what == tp ]]; then  # tensor and data parallelism, on a machine of 2 GPUs (nvidia-h100-x2); ~8 minutes
-  gpu_tests tp tests/test_tensor_parallel.py
-  python3 -m nanovllm.weights.synthetic llama3-8b /tmp/llama3-8b >/dev/null
-  for tp in 1 2; do
-    python3 bench.py --mode decode1 --model /tmp/llama3-8b --tensor-parallel-size $tp 2>&1 | grep -v INFO \
-      | tee "$OUT/bench_decode1_llama3_tp$tp.md" | tail -2
+if [[ $what == tp ]]; then  # tensor parallelism, on a machine of 2 GPUs (nvidia-h100-x2); ~9 minutes
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the machine's rule
+  (python3 -m nanovllm.weights.synthetic llama3-8b /tmp/llama3-8b >/dev/null 2>&1 &)
+  gpu_tests tp tests/test_custom_all_reduce.py tests/test_tensor_parallel.py
+  while pgrep -f "weights.synthetic" >/dev/null; do sleep 2; done
+  for tp in 1 2; do  # bs=1 decode, then nano-vLLM's throughput workload
+    timeout 150 python3 bench.py --mode decode1 --model /tmp/llama3-8b --tensor-parallel-size $tp 2>&1 \
+      | grep -v INFO | tee "$OUT/bench_decode1_llama3_tp$tp.md" | tail -2
+    timeout 200 python3 bench.py --model /tmp/llama3-8b --tensor-parallel-size $tp 2>&1 | grep -v INFO \
+      | tee "$OUT/bench_throughput_llama3_tp$tp.md" | tail -2
   done
-  for dp in 1 2; do  # data parallel: nano-vLLM's workload twice over
+fi
+if [[ $what == dp ]]; then  # data parallel over 2 GPUs: nano-vLLM's workload twice over; ~4 minutes
+  for dp in 1 2; do
     python3 bench.py --num-seqs 512 --data-parallel-size $dp 2>&1 | grep -v INFO | tee "$OUT/bench_dp$dp.md" | tail -2
   done
 fi

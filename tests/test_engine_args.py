@@ -78,7 +78,7 @@ def test_every_default_above_names_a_known_argument():
     own = {"tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
            "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "num_gpu_blocks_override",
            "kv_cache_memory_bytes", "async_scheduling", "quantization", "cpu_offload_gb", "tensor_parallel_size",
-           "data_parallel_size"}
+           "data_parallel_size", "disable_custom_all_reduce"}
     assert set(ENGINE_ARGS_DEFAULTS) | set(LM_EVAL_ARGS) <= own | NO_EFFECT | FEATURES
 
 

@@ -1,6 +1,8 @@
 """Tensor parallelism (distributed/): on CPU two processes over gloo split the heads, the MLP rows and the
 vocabulary, and give the greedy tokens and logprobs of one process; bad sizes are refused before any weight loads; a
 worker that dies fails the job with its rank."""
+import time
+
 import pytest
 import torch
 
@@ -73,19 +75,25 @@ def test_a_size_that_cannot_split_the_model_is_refused_before_loading(tiny_model
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_two_gpus_give_the_tokens_of_one(tiny_model_dir, dtype):
-    """fp32: the same tokens; bf16: the all-reduce sums in another order, so near ties may break apart (the rate
-    is printed)."""
+    """With CUDA graphs (their all-reduces, the logits' gather and the sampled tokens' broadcast captured), greedy and
+    sampled. fp32: the same tokens; bf16: the all-reduce sums in another order, so near ties may break apart (the
+    rate is printed)."""
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True)  # the eager sampler
     outputs = []
     for size in (1, 2):
-        llm = LLM(tiny_model_dir("tiny-llama-128"), device="cuda", dtype=dtype, max_model_len=128,
-                  tensor_parallel_size=size)
-        outputs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)])
+        llm = LLM(tiny_model_dir("tiny-llama-128"), device="cuda", dtype=dtype, max_model_len=128, max_num_seqs=16,
+                  max_num_batched_tokens=256, kv_cache_memory_bytes=64 << 20, tensor_parallel_size=size)
+        runner = llm.llm_engine.model_runner
+        assert runner.graphs is not None
+        outputs.append([o.outputs[0].token_ids for params in (GREEDY, sampled)
+                        for o in llm.generate(PROMPTS, params, use_tqdm=False)])
+        assert runner.num_steady_steps > 0  # decode steps replayed with the inputs left on the devices
         if llm.llm_engine.workers is not None:
             llm.llm_engine.workers.close()
         del llm
     pairs = [(a, b) for one, two in zip(*outputs) for a, b in zip(one, two)]
     agreement = sum(a == b for a, b in pairs) / len(pairs)
-    print(f"TP=2 vs TP=1 greedy token agreement ({dtype}): {agreement:.1%}")
+    print(f"TP=2 vs TP=1 token agreement ({dtype}, greedy and sampled): {agreement:.1%}")
     if dtype == "float32":
         assert agreement == 1.0
 
@@ -107,6 +115,22 @@ def test_a_dead_worker_fails_the_job_with_its_rank(tiny_model_dir):
     with pytest.raises(RuntimeError, match="nanovllm-tp1 exited"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     workers.close()
+
+
+def test_rank_0_failing_while_building_ends_the_workers_waiting_in_a_collective(tiny_model_dir, monkeypatch):
+    """Rank 0 fails before the KV cache's block-count all-reduce, which the worker has entered: the error comes back
+    at once (the worker is ended, not told to exit through a collective it cannot join)."""
+    from nanovllm.engine.model_runner import ModelRunner
+
+    def fail(self):
+        raise ValueError("rank 0 failed on purpose")
+
+    monkeypatch.setattr(ModelRunner, "_num_kv_blocks", fail)  # rank 0's class only: the worker is another process
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="on purpose"):
+        LLM(tiny_model_dir("tiny-llama"), device="cpu", dtype="float32", max_model_len=128,
+            kv_cache_memory_bytes=16 << 20, tensor_parallel_size=2)
+    assert time.monotonic() - started < 60
 
 
 @pytest.mark.slow

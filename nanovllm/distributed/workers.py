@@ -1,36 +1,105 @@
 """Tensor parallelism's processes: rank 0 is the engine's own process (scheduler, sampler, detokenizer); ranks
-1..N-1 are spawned here, each building the same ModelRunner over its shard of the weights (the same collectives
-in the same order), then following rank 0: before each forward, each LM head call and each KV block copy of the
-host pool, rank 0 broadcasts the call's inputs, and every rank runs it (its all-reduces and the logits' gather
-pair up). Only rank 0's results are read. A worker that fails puts its rank and traceback on a queue and exits;
-rank 0's next collective then fails, and the error names the rank."""
+1..N-1 are spawned here, each building the same ModelRunner over its shard of the weights (the same collectives,
+CUDA graphs included, in the same order), then following rank 0: each call of rank 0's runner that launches
+collectives (_led_calls) is first sent to the others as a command over gloo (its host values pickled, its device
+tensors broadcast on the devices, so rank 0 never waits for its GPU to send one), and every rank runs it. A steady
+decode step is one command with no tensors: its inputs are on every device already (the sampled tokens are
+broadcast inside the sampling graph). Only rank 0's results are read. A worker that fails puts its rank and
+traceback on a queue and exits; rank 0 raises with them at its next command or step, and a watchdog ends rank 0's
+process where it would wait forever on the dead worker's collectives."""
 import dataclasses
+import math
 import multiprocessing
+import os
 import socket
+import threading
+import time
 import traceback
 import weakref
 
 import torch
 
 from nanovllm.distributed.parallel_state import (
+    broadcast,
     broadcast_command,
     destroy_tensor_parallel,
     init_tensor_parallel,
     share_cpu_threads,
 )
-from nanovllm.logger import log_once
+from nanovllm.logger import log_once, logger
+
+LIVENESS_CHECK_S = 0.01  # while rank 0 waits for a step, it checks this often that the workers live
+WATCHDOG_POLL_S, WATCHDOG_GRACE_S = 0.5, 10.0
 
 
-def _moved(value, device: torch.device):
-    """value with its tensors (inside tuples, lists and dataclasses) on device."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
+@dataclasses.dataclass(frozen=True)
+class _TensorSlot:
+    """Where a device tensor stood in a command: it travels over the collectives, not in the pickle."""
+
+    index: int
+    shape: tuple
+    dtype: torch.dtype
+
+
+def _split(value, device: torch.device, tensors: list):
+    """value with its device tensors (inside tuples, lists, dicts and dataclasses) replaced by _TensorSlots, the
+    tensors appended to `tensors`."""
+    if isinstance(value, torch.Tensor) and value.device.type == device.type:
+        tensors.append(value)
+        return _TensorSlot(len(tensors) - 1, tuple(value.shape), value.dtype)
+    return _map(value, lambda v: _split(v, device, tensors))
+
+
+def _join(value, tensors: list):
+    if isinstance(value, _TensorSlot):
+        return tensors[value.index]
+    return _map(value, lambda v: _join(v, tensors))
+
+
+def _map(value, f):
     if isinstance(value, (tuple, list)):
-        return type(value)(_moved(v, device) for v in value)
-    if dataclasses.is_dataclass(value):
-        return dataclasses.replace(value, **{f.name: _moved(getattr(value, f.name), device)
-                                             for f in dataclasses.fields(value) if f.init})
+        return type(value)(f(v) for v in value)
+    if isinstance(value, dict):
+        return {k: f(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{field.name: f(getattr(value, field.name))
+                                             for field in dataclasses.fields(value) if field.init})
     return value
+
+
+def _send_tensors(tensors: list[torch.Tensor]):
+    """Rank 0's tensors, one broadcast per dtype (flattened side by side)."""
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        broadcast(torch.cat([t.reshape(-1).view(_wire_dtype(dtype)) for t in tensors if t.dtype == dtype]))
+
+
+def _receive_tensors(slots: list[_TensorSlot], device: torch.device) -> list[torch.Tensor]:
+    tensors: list[torch.Tensor | None] = [None] * len(slots)
+    for dtype in dict.fromkeys(s.dtype for s in slots):
+        group = [s for s in slots if s.dtype == dtype]
+        sizes = [math.prod(s.shape) for s in group]
+        flat = broadcast(torch.empty(sum(sizes), dtype=_wire_dtype(dtype), device=device))
+        for slot, part in zip(group, flat.split(sizes)):
+            tensors[slot.index] = part.view(dtype).view(slot.shape)
+    return tensors
+
+
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype == torch.bool else dtype  # NCCL has no bool
+
+
+def _led_calls(runner) -> list[tuple[str, object, str]]:
+    """(kind, object, method) of every call of rank 0's runner that the other ranks repeat: each launches work
+    whose collectives pair up across the ranks."""
+    calls = [("forward", runner.model, "forward"), ("logits", runner.model, "compute_logits")]
+    if runner.host_pool is not None:
+        calls += [("copy_out", runner.host_pool, "_copy_out"), ("copy_in", runner.host_pool, "_copy_in")]
+    if runner.graphs is not None:
+        calls += [(f"graphs.{m}", runner.graphs, m) for m in
+                  ("run", "replay", "sample", "set_blocks", "advance", "run_steady")]
+    if runner.prefill_graphs is not None:
+        calls.append(("prefill_graphs.run", runner.prefill_graphs, "run"))
+    return calls
 
 
 def _worker_main(config, rank: int, init_method: str, stop_token_ids: set[int], errors):
@@ -40,15 +109,15 @@ def _worker_main(config, rank: int, init_method: str, stop_token_ids: set[int], 
         device = torch.device(config.device)
         if device.type == "cpu":
             share_cpu_threads(config.tensor_parallel_size)
-        init_tensor_parallel(rank, config.tensor_parallel_size, init_method, device)
+        init_tensor_parallel(rank, config.tensor_parallel_size, init_method, device,
+                             not config.disable_custom_all_reduce)
         runner = ModelRunner(config, stop_token_ids)
-        calls = {"forward": runner.model, "logits": runner.model.compute_logits}
-        if runner.host_pool is not None:
-            calls.update(copy_out=runner.host_pool._copy_out, copy_in=runner.host_pool._copy_in)
+        calls = {kind: getattr(obj, method) for kind, obj, method in _led_calls(runner)}
         with torch.inference_mode():
             while (command := broadcast_command())[0] != "exit":
-                kind, *args = _moved(command, device)
-                calls[kind](*args)
+                kind, args, kwargs, slots = command
+                tensors = _receive_tensors(slots, device)
+                calls[kind](*_join(args, tensors), **_join(kwargs, tensors))
     except BaseException:  # noqa: BLE001 - any failure ends the job, with its rank
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1)
@@ -74,30 +143,60 @@ class TensorParallelWorkers:
         device = torch.device(config.device)
         if device.type == "cpu":
             share_cpu_threads(size)
-        log_once(f"tensor parallel over {size} {'GPUs (NCCL)' if device.type == 'cuda' else 'CPU processes (gloo)'}")
-        init_tensor_parallel(0, size, init_method, device)
-        self._finalizer = weakref.finalize(self, _shut_down, self.processes)
+        log_once(f"tensor parallel over {size} {'GPUs' if device.type == 'cuda' else 'CPU processes (gloo)'}")
+        self._leading = False
+        self._reported = False  # rank 0 has raised a worker's failure (then the watchdog leaves the process be)
+        self._closing = threading.Event()
+        self._finalizer = weakref.finalize(self, _shut_down, self.processes, self._closing)
+        threading.Thread(target=self._watch, daemon=True, name="nanovllm-tp-watchdog").start()
+        init_tensor_parallel(0, size, init_method, device, not config.disable_custom_all_reduce)
 
+    def _watch(self):
+        """A worker that dies can leave rank 0 blocked in a device collective that never ends (while the model is
+        built, or on a read of a step's results), where no exception reaches it. Rank 0 raises by itself where it
+        waits for a step (_wait_for) or sends a command; otherwise, after a grace period, the watchdog reports the
+        worker's error and ends the process: an error, never a hang."""
+        while not self._closing.wait(WATCHDOG_POLL_S):
+            dead = [p for p in self.processes if not p.is_alive()]
+            if dead and not self._closing.wait(WATCHDOG_GRACE_S) and not self._reported:
+                logger.error(f"{self._worker_error(RuntimeError(f'{dead[0].name} exited'))}\nrank 0 is blocked on "
+                             "the dead worker's collectives: exiting")
+                os._exit(1)
     def follow(self, runner):
-        """Make every forward and LM head call of rank 0's model, and every KV block copy of its host pool (swap,
-        offload, prefix tier: each rank moves its heads' part), run on every rank."""
-        model, pool = runner.model, runner.host_pool
-        forward, compute_logits = model.forward, model.compute_logits
+        """Make every call of rank 0's runner that launches collectives (the model's forward and LM head, the CUDA
+        graphs' replays and their inputs, the host pool's KV block copies: each rank moves its heads' part) run on
+        every rank. A call's device tensors go to the other ranks by broadcast, without waiting for the device."""
+        self.device = runner.device
+        runner.wait_for = self._wait_for
+        for kind, obj, method in _led_calls(runner):
+            setattr(obj, method, self._leader(kind, getattr(obj, method)))
 
-        def lead(kind, call, *args):
-            self._send((kind, *_moved(args, torch.device("cpu"))))
+    def _leader(self, kind: str, call):
+        def lead(*args, **kwargs):
+            if self._leading:  # a led call inside another (graphs.run replays): the other ranks do the same
+                return call(*args, **kwargs)
+            tensors = []
+            command = (kind, _split(args, self.device, tensors), _split(kwargs, self.device, tensors),
+                       [_TensorSlot(i, tuple(t.shape), t.dtype) for i, t in enumerate(tensors)])
+            self._send(command)
+            self._leading = True
             try:
-                return call(*args)
+                _send_tensors(tensors)
+                return call(*args, **kwargs)
             except RuntimeError as error:
                 raise self._worker_error(error) from error
+            finally:
+                self._leading = False
+        return lead
 
-        model.forward = lambda input_ids, positions, meta, inputs_embeds=None: lead(
-            "forward", forward, input_ids, positions, meta)
-        model.compute_logits = lambda hidden, out=None: lead("logits", compute_logits, hidden)
-        if pool is not None:
-            copy_out, copy_in = pool._copy_out, pool._copy_in
-            pool._copy_out = lambda device_blocks, pool_blocks: lead("copy_out", copy_out, device_blocks, pool_blocks)
-            pool._copy_in = lambda pool_blocks, device_blocks: lead("copy_in", copy_in, pool_blocks, device_blocks)
+    def _wait_for(self, event: torch.cuda.Event):
+        """event.synchronize(), except that a dead worker (whose peers' collectives never end) raises."""
+        checked = time.monotonic()
+        while not event.query():
+            if time.monotonic() - checked > LIVENESS_CHECK_S:
+                checked = time.monotonic()
+                if not all(p.is_alive() for p in self.processes):
+                    raise self._worker_error(RuntimeError("a worker exited while rank 0 waited for a step"))
 
     def _send(self, command):
         dead = [p for p in self.processes if not p.is_alive()]
@@ -109,6 +208,7 @@ class TensorParallelWorkers:
             raise self._worker_error(error) from error
 
     def _worker_error(self, error: Exception) -> RuntimeError:
+        self._reported = True
         try:
             rank, trace = self.errors.get(timeout=5)
         except Exception:  # noqa: BLE001 - no report: the collective's own error says what happened
@@ -118,8 +218,17 @@ class TensorParallelWorkers:
     def close(self):
         self._finalizer()
 
+    def abort(self):
+        """End the workers at once (rank 0 failed while they may wait in a collective)."""
+        self._closing.set()
+        for process in self.processes:
+            process.kill()
+            process.join(timeout=10)
+        self._finalizer()
 
-def _shut_down(processes):
+
+def _shut_down(processes, closing: threading.Event):
+    closing.set()
     try:
         if any(p.is_alive() for p in processes):
             broadcast_command(("exit",))

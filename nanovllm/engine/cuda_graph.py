@@ -11,6 +11,7 @@ prefill tokens past the real ones store their K/V in that scratch block and belo
 import torch
 
 from nanovllm.attention.metadata import AttentionMetadata, prefill_tile_tokens
+from nanovllm.distributed.parallel_state import broadcast
 from nanovllm.kernels.decode_inputs import advance_decode_inputs, prepare_decode_inputs
 from nanovllm.kernels.sampling import gumbel_argmax
 
@@ -131,6 +132,7 @@ class CUDAGraphRunner:
     def _sample_step(self, bs: int):
         gumbel_argmax(self.logits[:bs], self.seeds[:bs], self.steps[:bs], self.temperature[:bs],
                       out=self.tokens[:bs])
+        broadcast(self.tokens[:bs])  # tensor parallel: every rank's next inputs are rank 0's tokens
         self.advance(self.tokens[:bs], self.steps[:bs])
 
     def _steady_step(self, bs: int, context_bound: int):

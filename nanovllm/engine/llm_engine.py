@@ -49,7 +49,7 @@ class LLMEngine:
             self.model_runner = ModelRunner(config, set(self.eos_token_ids))
         except BaseException:
             if self.workers is not None:
-                self.workers.close()
+                self.workers.abort()  # they may wait in a collective that rank 0 will not join
             raise
         if self.workers is not None:
             self.workers.follow(self.model_runner)

@@ -5,7 +5,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch.distributed import ReduceOp
 
 from nanovllm.attention import AttentionMetadata, get_attention_backend
 from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles
@@ -155,6 +154,7 @@ class ModelRunner:
         self.bytes_read = 0  # weights + KV context read by every step so far (benchmarks' HBM roofline)
         self.steady: SteadyDecode | None = None
         self.num_steady_steps = 0  # statistics: decode steps launched with no inputs from the host
+        self.wait_for = torch.cuda.Event.synchronize  # how the host waits for a step (tensor parallel: watching its workers)
 
     def _graph_skip_reason(self) -> str | None:
         """Why steps will run eagerly (None: they replay CUDA graphs)."""
@@ -164,8 +164,6 @@ class ModelRunner:
             return "enforce_eager=True: every step runs eagerly, without CUDA graphs"
         if self.streamer is not None:
             return "weights stream in (cpu_offload_gb / disk_offload_gb): every step runs eagerly"
-        if tp_size() > 1:
-            return "tensor parallel steps run eagerly: CUDA graphs with the all-reduces are not built yet"
         if not self.backend.supports_cuda_graphs:
             return f"the {self.backend.name} attention backend cannot be captured: every step runs eagerly"
         return None
@@ -323,7 +321,7 @@ class ModelRunner:
         else:
             num_blocks = self._profile_gpu_blocks()
         if tp_size() > 1:  # every rank holds the same blocks (of its heads): as many as the fullest GPU allows
-            num_blocks = int(all_reduce(torch.tensor([num_blocks], device=self.device), ReduceOp.MIN).item())
+            num_blocks = int(all_reduce(torch.tensor([num_blocks], device=self.device), "min").item())
         host_blocks = self._num_host_blocks()
         capacity = (num_blocks + host_blocks) * self.block_size
         max_len = cfg.model_config.max_model_len
@@ -629,7 +627,7 @@ class ModelRunner:
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         if handle.sample_idx:
             if handle.ready is not None:
-                handle.ready.synchronize()
+                self.wait_for(handle.ready)
             token_list = handle.tokens_host.tolist()
             lp = (self._gather_logprobs(handle.raw_logprobs, handle.tokens, handle.max_logprobs)
                   if handle.raw_logprobs is not None else None)

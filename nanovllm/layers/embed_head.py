@@ -86,5 +86,5 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if tp_size() > 1:
-            return all_gather_last_dim(self.linear_method.apply(self, hidden))
+            return all_gather_last_dim(self.linear_method.apply(self, hidden), out)
         return self.linear_method.apply(self, hidden, out)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from nanovllm.attention import AttentionMetadata
-from nanovllm.distributed.parallel_state import local_part
+from nanovllm.distributed.parallel_state import local_part, tp_size
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import LMHead, VocabEmbedding
@@ -153,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         """The [vocab, hidden] table that a caller may gather input embeddings from itself (forward's inputs_embeds),
         or None where the model's embedding runs its plain torch path (CPU, the torch backend)."""
         embed = self.model.embed_tokens
-        usable = embed.use_triton and embed.weight is not None and embed.weight.is_contiguous()
+        usable = embed.use_triton and embed.weight is not None and embed.weight.is_contiguous() and tp_size() == 1
         return embed.weight if usable else None
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
