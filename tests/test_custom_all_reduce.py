@@ -43,11 +43,12 @@ def _two_gpu_worker(rank: int, port: int, results):
 
 def _two_gpu_checks(rank: int, port: int, results):
     from nanovllm.distributed import parallel_state
+    from nanovllm.distributed.custom_all_reduce import MAX_BYTES
 
     parallel_state.init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cuda"))
     assert parallel_state._custom is not None
     checks = []
-    for numel in (1, 4096, 4096 * 33 + 7, 1 << 19):  # up to MAX_BYTES in bf16
+    for numel in (1, 4096, 4096 * 33 + 7, MAX_BYTES // 2):  # up to MAX_BYTES in bf16
         parts = [torch.randn(numel, device="cuda", dtype=torch.bfloat16,
                              generator=torch.Generator(device="cuda").manual_seed(r)) for r in range(2)]
         x, expect = parts[rank], all_reduce_reference(parts)

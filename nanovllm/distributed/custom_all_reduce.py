@@ -9,8 +9,9 @@ import torch
 
 from nanovllm.kernels.all_reduce import MAX_PROGRAMS, one_shot_all_reduce
 
-# the largest tensor the one-shot kernel takes; on two H100s NCCL took 15.7 / 20.2 / 40.0 us for 8 KB / 128 KB / 2 MB
-MAX_BYTES = 1 << 20
+# the largest tensor the one-shot kernel takes: on two H100s it took 6.6 / 9.1 / 21.4 / 36.2 us for 8 / 128 / 512 /
+# 1024 KB against NCCL's 16.8 / 17.1 / 20.2 / 24.6 us (docs/benchmarks.md)
+MAX_BYTES = 512 << 10
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
