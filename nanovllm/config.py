@@ -38,10 +38,11 @@ class ModelConfig:
 
 
 def require_gpus(device: str, count: int, setting: str):
-    """A setting that takes one GPU a process: at most as many as torch sees (on CPU, processes are not GPUs)."""
+    """A setting that takes `count` GPUs, one a process: at most as many as torch sees (on CPU, processes are not
+    GPUs)."""
     if device.startswith("cuda"):
-        _require(count <= torch.cuda.device_count(), f"{setting}={count} but torch sees {torch.cuda.device_count()} "
-                 "GPU(s): lower it to at most that")
+        _require(count <= torch.cuda.device_count(), f"{setting} takes {count} GPUs but torch sees "
+                 f"{torch.cuda.device_count()}: lower it")
 
 
 @dataclass

@@ -34,10 +34,9 @@ def _prompt_list(prompts, prompt_token_ids) -> list:
 def _check_data_parallel(size, config: Config):
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"data_parallel_size must be an integer >= 1, got {size!r}")
-    if size > 1 and config.tensor_parallel_size > 1:
-        raise ValueError("data_parallel_size with tensor_parallel_size > 1 is not built yet: use one of them")
-    if size > 1:
-        require_gpus(config.device, size, "data_parallel_size")
+    if size > 1:  # each replica takes tensor_parallel_size GPUs
+        require_gpus(config.device, size * config.tensor_parallel_size,
+                     f"data_parallel_size x tensor_parallel_size = {size} x {config.tensor_parallel_size}")
 
 
 class LLM:

@@ -43,9 +43,18 @@ def test_a_dead_replica_fails_the_call_with_its_number(tiny_model_dir):
     llm.replicas.close()
 
 
+def test_two_replicas_of_two_tensor_parallel_ranks_give_one_engine_outputs(tiny_model_dir):
+    """Four processes: each replica's engine leads a rank of its own."""
+    want = LLM(tiny_model_dir("tiny-llama"), **ENGINE).generate(PROMPTS, PARAMS, use_tqdm=False)
+    llm = LLM(tiny_model_dir("tiny-llama"), data_parallel_size=2, tensor_parallel_size=2, **ENGINE)
+    got = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    llm.replicas.close()
+    llm.llm_engine.workers.close()
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(data_parallel_size=0), "data_parallel_size must be an integer >= 1"),
-    (dict(data_parallel_size=2, tensor_parallel_size=2), "not built yet"),
 ])
 def test_bad_data_parallel_settings_name_the_problem(tiny_model_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -1,8 +1,9 @@
 """Data parallelism without Ray: LLM(model, data_parallel_size=N) keeps one engine in the caller's process and
-N-1 more in spawned processes (each on its own GPU: replica i sees only GPU i; on CPU each takes its share of the
-cores). generate() deals a call's requests out, longest prompts first round the replicas so that their work
-evens out, runs its own share while the others run theirs, and gives every output back in input order. A replica
-that fails or dies fails the call with its number and error."""
+N-1 more in spawned processes (each on its own GPUs: with tensor_parallel_size T, replica i sees only GPUs
+i*T..i*T+T-1, and replica 0 uses the first T; on CPU each takes its share of the cores). generate() deals a call's
+requests out, longest prompts first round the replicas so that their work evens out, runs its own share while the
+others run theirs, and gives every output back in input order. A replica that fails or dies fails the call with
+its number and error."""
 import contextlib
 import multiprocessing
 import os
@@ -14,9 +15,11 @@ from nanovllm.outputs import RequestOutput
 
 def _replica_main(index: int, replicas: int, model: str, engine_kwargs: dict, connection):
     try:
-        if engine_kwargs.get("device", "auto") != "cpu":  # the index-th GPU the caller sees, before CUDA starts here
+        if engine_kwargs.get("device", "auto") != "cpu":  # the index-th T GPUs the caller sees, before CUDA starts
+            tp = engine_kwargs.get("tensor_parallel_size", 1)
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+            gpus = visible.split(",") if visible else [str(i) for i in range((index + 1) * tp)]
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[index * tp:(index + 1) * tp])
         import torch
 
         from nanovllm import LLM
@@ -41,9 +44,11 @@ class DataParallelReplicas:
     def __init__(self, size: int, model: str, engine_kwargs: dict):
         context = multiprocessing.get_context("spawn")
         self.connections, self.processes = [], []
+        # a daemonic process may not start processes: a replica with tensor parallelism starts its ranks
+        daemon = engine_kwargs.get("tensor_parallel_size", 1) == 1
         for index in range(1, size):
             ours, theirs = context.Pipe()
-            process = context.Process(target=_replica_main, daemon=True, name=f"nanovllm-dp{index}",
+            process = context.Process(target=_replica_main, daemon=daemon, name=f"nanovllm-dp{index}",
                                       args=(index, size, model, engine_kwargs, theirs))
             process.start()
             self.connections.append(ours)

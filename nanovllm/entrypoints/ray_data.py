@@ -22,7 +22,7 @@ class ProcessorConfig:
     engine_kwargs: dict = field(default_factory=dict)  # LLM()'s keywords
     concurrency: int = 1  # LLM replicas
     batch_size: int = 64  # rows a replica takes at a time
-    num_gpus: float | None = None  # a replica's; None: 1 where Ray sees GPUs, else 0 (CPU workers)
+    num_gpus: float | None = None  # a replica's; None: its tensor_parallel_size where Ray sees GPUs, else 0 (CPU)
     num_cpus: float = 1
 
 
@@ -72,7 +72,8 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
         raise ValueError(f"concurrency and batch_size must be >= 1, got {config.concurrency}, {config.batch_size}")
     num_gpus = config.num_gpus
     if num_gpus is None:
-        num_gpus = 1 if ray.is_initialized() and ray.cluster_resources().get("GPU", 0) else 0
+        gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0)
+        num_gpus = config.engine_kwargs.get("tensor_parallel_size", 1) if gpus else 0
 
     def process(dataset):
         if preprocess is not None:
