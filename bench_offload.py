@@ -212,11 +212,17 @@ def disk_reads(streamer) -> str:
     return f"positional reads, O_DIRECT {'on' if streamer.layer_file.direct else 'off'}"
 
 
-def weights_rows(args, model: str, layers_bytes: int, bw: float, resident: dict, host: float, disk: float) -> list:
-    gib = layers_bytes / (1 << 30)
-    llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, gpu_memory_utilization=0.5,
+def weights_rows(args, model: str, layers_bytes: int | None, bw: float, resident: dict, host: float,
+                 disk: float) -> tuple:
+    """The placement's rows (and curve points), and the decoder layers' bytes (measured here on a resident run)."""
+    gib = (layers_bytes or 0) / (1 << 30)
+    utilization = 0.5 if args.vram_gb is None else args.vram_gb * (1 << 30) / torch.cuda.mem_get_info()[1]
+    llm = LLM(model, max_model_len=1024, enable_prefix_caching=False,
+              gpu_memory_utilization=0.9 if host == disk == 0 else utilization,  # resident: the whole GPU
               cpu_offload_gb=host * gib, disk_offload_gb=disk * gib)
     streamer, rows, curve = llm.llm_engine.model_runner.streamer, [], []
+    if streamer is None:
+        layers_bytes = sum(streamed_bytes(list(llm.llm_engine.model_runner.model.model.layers)))
     disk_bytes = sum(streamer.sizes[i] for i in streamer.disk) if streamer and streamer.disk else 0
     host_bytes = (sum(streamer.sizes.values()) if streamer else 0) - disk_bytes
     disk_bw = disk_bandwidth(streamer) if disk_bytes else None
@@ -233,28 +239,25 @@ def weights_rows(args, model: str, layers_bytes: int, bw: float, resident: dict,
     del llm, streamer
     gc.collect()  # the streamer's hooks and the model hold each other
     torch.cuda.empty_cache()
-    return rows, where.split(" (")[0] if host or disk else "resident", curve
+    return rows, where.split(" (")[0] if host or disk else "resident", curve, layers_bytes
 
 
 def bench_weights(args):
     model = resolve_model(args.model, torch.bfloat16, os.environ.get("NANOVLLM_TOKENIZER_GGUF"))
     bw = pinned_h2d_bandwidth()
-    llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, gpu_memory_utilization=0.5)
-    layers = llm.llm_engine.model_runner.model.model.layers
-    layers_bytes = sum(streamed_bytes(list(layers)))
-    del llm, layers
-    gc.collect()
-    torch.cuda.empty_cache()
-    rows, resident, curves = [], {}, {}
+    if args.placements[0] != (0, 0):
+        raise SystemExit("weights mode: the first placement is the resident run (0:0), the others' reference")
+    rows, resident, curves, layers_bytes = [], {}, {}, None
     for host, disk in args.placements:
-        placement_rows, label, curve = weights_rows(args, model, layers_bytes, bw, resident, host, disk)
+        placement_rows, label, curve, layers_bytes = weights_rows(args, model, layers_bytes, bw, resident, host, disk)
         rows += placement_rows
         curves[label] = ([c[0] for c in curve], [c[1] for c in curve], "o-")
         if curve[0][2]:
             curves[f"{label}: bound"] = ([c[0] for c in curve], [c[2] for c in curve], "--")
     print(f"\n| device | date | config |\n|---|---|---|\n| {torch.cuda.get_device_name()} | {datetime.date.today()} | "
           f"{args.model} ({layers_bytes / 1e9:.1f} GB of decoder layers), 128-token prompts, {args.output_len} greedy "
-          f"tokens; pinned H2D {bw / 1e9:.1f} GB/s |\n")
+          f"tokens{f'; streamed runs in {args.vram_gb:g} GiB of GPU memory' if args.vram_gb else ''}; pinned H2D "
+          f"{bw / 1e9:.1f} GB/s |\n")
     print("| decoder weights streamed from | batch | decode tok/s | vs resident | bound (streamed bytes a step / each "
           "tier's bandwidth) |\n|---|---|---|---|---|")
     print("\n".join(rows))
@@ -272,6 +275,8 @@ def main():
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[8192], help="long mode: one run each")
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--gpu-tokens", type=int, default=2048)
+    ap.add_argument("--vram-gb", type=float, default=None, help="weights mode: GiB of GPU memory the streamed runs "
+                    "may use (a smaller card's; default: half the GPU); resident runs take the whole GPU")
     ap.add_argument("--placements", type=lambda v: tuple(map(float, v.split(":"))), nargs="+",
                     default=[(0, 0), (0.25, 0), (0.5, 0), (0.75, 0), (0, 0.25)],
                     help="weights mode: HOST:DISK shares of the decoder layers streamed from each tier")

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
-#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv|offload|weights|tp|dp]
+#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv|offload|weights|weights70|tp|dp]
 # Slow tests (the bundled model, which the device cannot fetch) are left out. `tests` is tests1 then tests2;
 # together they take longer than one 10-minute device call (with flash_attn importable, ~190 tests ran in 540 s), so
 # a call runs one of them. tests2 alone is ~8-9 minutes (142 of test_triton_kernels.py's 240 tests ran in 300 s).
@@ -67,6 +67,11 @@ if [[ $what == weights ]]; then  # weights streamed from host memory and disk (i
     | tee "$OUT/bench_offload_weights.md" | tail -8
   python3 bench_offload.py weights --model llama3-8b:Q4_K --placements 0:0 0.5:0 --batch-sizes 1 8 32 64 128 256 \
     --plot "$OUT/streamed_vs_batch.png" 2>&1 | grep -v INFO | tee "$OUT/bench_offload_weights_curve.md" | tail -14
+fi
+if [[ $what == weights70 ]]; then  # a 70B-class Q4_K (~39 GB) in 24 GiB of VRAM, the rest streamed (issue #43)
+  timeout 560 python3 bench_offload.py weights --model llama3-70b:Q4_K --vram-gb 24 --placements 0:0 0.6:0 0.5:0.1 \
+    --batch-sizes 1 32 128 --output-len 16 --plot "$OUT/streamed_70b_vs_batch.png" 2>&1 | grep -v INFO \
+    | tee "$OUT/bench_offload_weights_70b.md" | tail -14
 fi
 if [[ $what == tp ]]; then  # tensor parallelism, on a machine of 2 GPUs (nvidia-h100-x2); ~9 minutes
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the machine's rule
