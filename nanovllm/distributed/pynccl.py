@@ -22,9 +22,9 @@ def _library() -> ctypes.CDLL:
         return ctypes.CDLL("libnccl.so.2")  # already loaded by torch's CUDA library: dlopen finds it by its soname
     except OSError:
         pass
-    for folder in {os.path.dirname(os.path.dirname(torch.__file__))} | set(__import__("site").getsitepackages()):
-        for path in glob.glob(os.path.join(folder, "nvidia", "nccl", "lib", "libnccl.so*")):
-            return ctypes.CDLL(path)
+    site_packages = os.path.dirname(os.path.dirname(torch.__file__))  # where torch's nvidia-nccl wheel lies
+    for path in glob.glob(os.path.join(site_packages, "nvidia", "nccl", "lib", "libnccl.so*")):
+        return ctypes.CDLL(path)
     raise RuntimeError("libnccl.so.2 not found (torch's nvidia-nccl wheel): tensor parallelism on GPUs needs NCCL")
 
 
@@ -43,12 +43,10 @@ class NcclCommunicator:
 
     @staticmethod
     def unique_id() -> bytes:
-        uid = _UniqueId()
-        lib = _library()
-        lib.ncclGetErrorString.restype = ctypes.c_char_p
-        result = lib.ncclGetUniqueId(ctypes.byref(uid))
-        if result:
-            raise RuntimeError(f"ncclGetUniqueId: {lib.ncclGetErrorString(result).decode()}")
+        """The group's id, made by rank 0 and handed to the others."""
+        uid, lib = _UniqueId(), _library()
+        if result := lib.ncclGetUniqueId(ctypes.byref(uid)):
+            raise RuntimeError(f"ncclGetUniqueId failed with NCCL error {result}")
         return bytes(uid.internal)
 
     def _check(self, result: int):
