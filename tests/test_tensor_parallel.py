@@ -1,6 +1,7 @@
 """Tensor parallelism (distributed/): on CPU two processes over gloo split the heads, the MLP rows and the
 vocabulary, and give the greedy tokens and logprobs of one process; bad sizes are refused before any weight loads; a
 worker that dies fails the job with its rank."""
+import gc
 import time
 
 import pytest
@@ -115,6 +116,17 @@ def test_a_dead_worker_fails_the_job_with_its_rank(tiny_model_dir):
     with pytest.raises(RuntimeError, match="nanovllm-tp1 exited"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     workers.close()
+
+
+def test_dropping_the_engine_ends_its_workers(tiny_model_dir):
+    llm = LLM(tiny_model_dir("tiny-llama"), device="cpu", dtype="float32", max_model_len=128,
+              kv_cache_memory_bytes=16 << 20, tensor_parallel_size=2)
+    processes = list(llm.llm_engine.workers.processes)
+    del llm
+    gc.collect()  # the runner and its leader hold each other
+    for process in processes:
+        process.join(timeout=30)
+        assert not process.is_alive()
 
 
 def test_rank_0_failing_while_building_ends_the_workers_waiting_in_a_collective(tiny_model_dir, monkeypatch):

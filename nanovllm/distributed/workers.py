@@ -145,23 +145,13 @@ class TensorParallelWorkers:
             share_cpu_threads(size)
         log_once(f"tensor parallel over {size} {'GPUs' if device.type == 'cuda' else 'CPU processes (gloo)'}")
         self._leading = False
-        self._reported = False  # rank 0 has raised a worker's failure (then the watchdog leaves the process be)
+        self._reported = threading.Event()  # rank 0 has raised a worker's failure (the watchdog then lets it be)
         self._closing = threading.Event()
         self._finalizer = weakref.finalize(self, _shut_down, self.processes, self._closing)
-        threading.Thread(target=self._watch, daemon=True, name="nanovllm-tp-watchdog").start()
+        threading.Thread(target=_watch, args=(self.processes, self.errors, self._closing, self._reported), daemon=True,
+                         name="nanovllm-tp-watchdog").start()
         init_tensor_parallel(0, size, init_method, device, not config.disable_custom_all_reduce)
 
-    def _watch(self):
-        """A worker that dies can leave rank 0 blocked in a device collective that never ends (while the model is
-        built, or on a read of a step's results), where no exception reaches it. Rank 0 raises by itself where it
-        waits for a step (_wait_for) or sends a command; otherwise, after a grace period, the watchdog reports the
-        worker's error and ends the process: an error, never a hang."""
-        while not self._closing.wait(WATCHDOG_POLL_S):
-            dead = [p for p in self.processes if not p.is_alive()]
-            if dead and not self._closing.wait(WATCHDOG_GRACE_S) and not self._reported:
-                logger.error(f"{self._worker_error(RuntimeError(f'{dead[0].name} exited'))}\nrank 0 is blocked on "
-                             "the dead worker's collectives: exiting")
-                os._exit(1)
     def follow(self, runner):
         """Make every call of rank 0's runner that launches collectives (the model's forward and LM head, the CUDA
         graphs' replays and their inputs, the host pool's KV block copies: each rank moves its heads' part) run on
@@ -208,12 +198,8 @@ class TensorParallelWorkers:
             raise self._worker_error(error) from error
 
     def _worker_error(self, error: Exception) -> RuntimeError:
-        self._reported = True
-        try:
-            rank, trace = self.errors.get(timeout=5)
-        except Exception:  # noqa: BLE001 - no report: the collective's own error says what happened
-            return RuntimeError(f"tensor parallel: a worker failed ({error})")
-        return RuntimeError(f"tensor parallel worker rank {rank} failed:\n{trace}")
+        self._reported.set()
+        return _worker_error(self.errors, error)
 
     def close(self):
         self._finalizer()
@@ -225,6 +211,29 @@ class TensorParallelWorkers:
             process.kill()
             process.join(timeout=10)
         self._finalizer()
+
+
+def _worker_error(errors, error: Exception) -> RuntimeError:
+    """The failed worker's rank and traceback, from its report (else the collective's own error)."""
+    try:
+        rank, trace = errors.get(timeout=5)
+    except Exception:  # noqa: BLE001 - no report: the collective's own error says what happened
+        return RuntimeError(f"tensor parallel: a worker failed ({error})")
+    return RuntimeError(f"tensor parallel worker rank {rank} failed:\n{trace}")
+
+
+def _watch(processes, errors, closing: threading.Event, reported: threading.Event):
+    """A worker that dies can leave rank 0 blocked in a device collective that never ends (while the model is built,
+    or on a read of a step's results), where no exception reaches it. Rank 0 raises by itself where it waits for a
+    step (_wait_for) or sends a command; otherwise, after a grace period, this watchdog reports the worker's error
+    and ends the process: an error, never a hang. (A function, not a method: the thread must not keep the workers'
+    owner alive.)"""
+    while not closing.wait(WATCHDOG_POLL_S):
+        dead = [p for p in processes if not p.is_alive()]
+        if dead and not closing.wait(WATCHDOG_GRACE_S) and not reported.is_set():
+            logger.error(f"{_worker_error(errors, RuntimeError(f'{dead[0].name} exited'))}\nrank 0 is blocked on the "
+                         "dead worker's collectives: exiting")
+            os._exit(1)
 
 
 def _shut_down(processes, closing: threading.Event):
