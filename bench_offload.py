@@ -169,18 +169,25 @@ def bench_batch(args):
                                    kv_offloading_size=blocks_needed * 16 * (256 << 10) / (1 << 30)))):
         llm = LLM(model, max_model_len=max_len, block_size=16, enable_prefix_caching=False, **kw)
         generate_seconds(llm, prompts[:2], 2)  # warm-up
+        pool = llm.llm_engine.model_runner.host_pool
+        copied_before = pool.copied_blocks if pool else 0
         seconds = generate_seconds(llm, prompts, args.output_len)
         scheduler = llm.llm_engine.scheduler
-        rows.append((name, batch * args.output_len / seconds, scheduler.num_preemptions, scheduler.num_swaps))
-        del llm, scheduler
+        copied = ((pool.copied_blocks - copied_before) * pool.block_bytes) if pool else 0
+        link = copied / pool.bandwidth if pool else 0  # the copies' time at the measured block-copy bandwidth
+        rows.append((name, batch * args.output_len / seconds, seconds, scheduler.num_preemptions, scheduler.num_swaps,
+                     copied, link))
+        del llm, scheduler, pool
         gc.collect()
         torch.cuda.empty_cache()
     print(f"\n| device | date | config |\n|---|---|---|\n| {torch.cuda.get_device_name()} | {datetime.date.today()} | "
           f"{args.model}, bf16, {batch} prompts of {prompt_len:,} tokens + {args.output_len} greedy tokens; GPU KV "
           f"capped at 1/{args.kv_multiple:g} of the batch's |\n")
-    print("| run | output tok/s | vs resident | preemptions | of them swapped |\n|---|---|---|---|---|")
-    for name, tps, preemptions, swaps in rows:
-        print(f"| {name} | {tps:,.1f} | {tps / rows[0][1]:.2f}x | {preemptions} | {swaps} |")
+    print("| run | output tok/s | vs resident | vs recompute | preemptions | of them swapped | host copies | their time "
+          "at the link, of the run |\n|---|---|---|---|---|---|---|---|")
+    for name, tps, seconds, preemptions, swaps, copied, link in rows:
+        print(f"| {name} | {tps:,.1f} | {tps / rows[0][1]:.2f}x | {tps / rows[1][1]:.2f}x | {preemptions} | {swaps} | "
+              f"{copied / 1e9:.1f} GB | {f'{link:.2f} s, {link / seconds:.0%}' if copied else ''} |")
 
 
 def decode_tok_s(llm: LLM, batch: int, output_len: int) -> float:

@@ -31,22 +31,25 @@ class HostKVPool:
         self.bandwidth, self.flops = self._measure(kv_cache.device)
         self.flops_per_token = flops_per_token
         self.choices_logged: set[bool] = set()
+        self.copied_blocks = 0  # statistics: blocks copied either way (swaps, offloads, the prefix tier)
 
     def _measure(self, device: torch.device) -> tuple[float, float]:
         """(bytes a second of a device <-> pool block copy, FLOP/s of a matmul in the cache's dtype), timed once."""
         count = min(len(self.free_blocks), self.kv_cache.shape[2], max(1, (64 << 20) // self.block_bytes))
         blocks = list(range(count))
-        copy = _seconds(lambda: self._copy_out(blocks, blocks), device) + \
-            _seconds(lambda: self._copy_in(blocks, blocks), device)
+        copy = _seconds(lambda: copy_blocks(self.kv_cache, self.pool, blocks, blocks), device) + \
+            _seconds(lambda: copy_blocks(self.pool, self.kv_cache, blocks, blocks), device)
         a = torch.randn(512, 2048, dtype=self.kv_cache.dtype, device=device)
         matmul = _seconds(lambda: a @ a.T, device)
         return 2 * len(blocks) * self.block_bytes / copy, 2 * 512 * 512 * 2048 / matmul
 
     def _copy_out(self, device_blocks: list[int], pool_blocks: list[int]):
         copy_blocks(self.kv_cache, self.pool, device_blocks, pool_blocks)
+        self.copied_blocks += len(pool_blocks)
 
     def _copy_in(self, pool_blocks: list[int], device_blocks: list[int]):
         copy_blocks(self.pool, self.kv_cache, pool_blocks, device_blocks)
+        self.copied_blocks += len(pool_blocks)
 
     @property
     def num_free_blocks(self) -> int:
