@@ -51,6 +51,25 @@ def test_gguf_blocks_kept_quantized_split_over_two_processes(tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("name", ["int4", "int8"])
+def test_weights_quantized_at_load_split_over_two_processes(tmp_path, name):
+    """Each rank quantizes its shard: int4's groups of 128 along a row fall within a rank's columns, so the weights
+    and tokens are TP=1's; int8's per-row scales of o / down cover a rank's columns only, a little off TP=1's, so
+    the first tokens' logprobs agree to a few hundredths."""
+    from nanovllm.weights.synthetic import SHAPES, write_model
+
+    shape = dict(SHAPES["tiny-llama-128"], hidden_size=256, intermediate_size=512)  # 128 columns a rank at least
+    path = str(write_model(shape, str(tmp_path), torch.float32, device="cpu"))
+    one, two = run(path, quantization=name), run(path, quantization=name, tensor_parallel_size=2)
+    for a, b in zip(one, two):
+        if name == "int4":
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        first_a, first_b = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
+        assert first_a.keys() & first_b.keys()
+        for token in first_a.keys() & first_b.keys():
+            assert first_a[token].logprob == pytest.approx(first_b[token].logprob, abs=0.1)
+
+
 def test_quantized_blocks_narrow_as_their_dequantized_weights():
     from nanovllm.quant.gguf_weight import GGUFWeight
 
