@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
-#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv|offload|weights|weights70|tp|dp]
+#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv|offload|weights|weights70|tp|tp4|dp]
 # Slow tests (the bundled model, which the device cannot fetch) are left out. `tests` is tests1 then tests2;
 # together they take longer than one 10-minute device call (with flash_attn importable, ~190 tests ran in 540 s), so
 # a call runs one of them. tests2 alone is ~8-9 minutes (142 of test_triton_kernels.py's 240 tests ran in 300 s).
@@ -84,6 +84,14 @@ if [[ $what == tp ]]; then  # tensor parallelism, on a machine of 2 GPUs (nvidia
     timeout 200 python3 bench.py --model /tmp/llama3-8b --tensor-parallel-size $tp 2>&1 | grep -v INFO \
       | tee "$OUT/bench_throughput_llama3_tp$tp.md" | tail -2
   done
+fi
+if [[ $what == tp4 ]]; then  # a 70B-class Llama in bf16 (~140 GB) over 4 GPUs (nvidia-h100-x4), issue #44; ~9 minutes
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # the machine's rule
+  timeout 240 python3 -m nanovllm.weights.synthetic llama3-70b /tmp/llama3-70b >/dev/null
+  timeout 180 python3 bench.py --mode decode1 --model /tmp/llama3-70b --tensor-parallel-size 4 2>&1 | grep -v INFO \
+    | tee "$OUT/bench_decode1_llama3_70b_tp4.md" | tail -2
+  timeout 200 python3 bench.py --model /tmp/llama3-70b --tensor-parallel-size 4 2>&1 | grep -v INFO \
+    | tee "$OUT/bench_throughput_llama3_70b_tp4.md" | tail -2
 fi
 if [[ $what == dp ]]; then  # data parallel over 2 GPUs: nano-vLLM's workload twice over; ~4 minutes
   for dp in 1 2; do
