@@ -1,12 +1,11 @@
 """The one-shot all-reduce (kernels/all_reduce.py, distributed/custom_all_reduce.py) against its reference: on CPU
 under the Triton interpreter with a peer whose buffer and flag are written beforehand, and on two GPUs between two
 processes, eagerly and inside a CUDA graph."""
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from nanovllm.distributed.parallel_state import local_init_method
 from nanovllm.kernels.all_reduce import MAX_PROGRAMS, all_reduce_reference, one_shot_all_reduce
 
 
@@ -33,19 +32,19 @@ def test_one_shot_kernel_sums_its_peer_and_flags_it():
         assert (flags[1][0, :programs] == call).all() and (flags[1][0, programs:] == 0).all()
 
 
-def _two_gpu_worker(rank: int, port: int, results):
+def _two_gpu_worker(rank: int, init_method: str, results):
     try:
-        _two_gpu_checks(rank, port, results)
+        _two_gpu_checks(rank, init_method, results)
     except BaseException as error:  # noqa: BLE001 - the test reports it
         results.put((rank, False, repr(error)))
         raise
 
 
-def _two_gpu_checks(rank: int, port: int, results):
+def _two_gpu_checks(rank: int, init_method: str, results):
     from nanovllm.distributed import parallel_state
     from nanovllm.distributed.custom_all_reduce import MAX_BYTES
 
-    parallel_state.init_tensor_parallel(rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cuda"))
+    parallel_state.init_tensor_parallel(rank, 2, init_method, torch.device("cuda"))
     assert parallel_state._custom is not None
     checks = []
     for numel in (1, 4096, 4096 * 33 + 7, MAX_BYTES // 2):  # up to MAX_BYTES in bf16
@@ -74,12 +73,10 @@ def _two_gpu_checks(rank: int, port: int, results):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpus_sum_as_the_reference_eagerly_and_in_graphs():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    init_method = local_init_method()
     context = mp.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=_two_gpu_worker, args=(rank, port, results)) for rank in range(2)]
+    processes = [context.Process(target=_two_gpu_worker, args=(rank, init_method, results)) for rank in range(2)]
     for p in processes:
         p.start()
     outcome = sorted(results.get(timeout=120) for _ in processes)

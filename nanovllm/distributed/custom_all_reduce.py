@@ -15,10 +15,8 @@ MAX_BYTES = 512 << 10
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def why_not_custom(size: int, device: torch.device) -> str | None:
-    """Why the GPUs of the group cannot read each other's memory (None: they can)."""
-    if device.type != "cuda":
-        return "not on CUDA"
+def why_not_custom(size: int) -> str | None:
+    """Why the group's GPUs cannot read each other's memory (None: they can)."""
     peers = [(a, b) for a in range(size) for b in range(size) if a != b and not torch.cuda.can_device_access_peer(a, b)]
     return f"GPUs {peers[0]} cannot access each other's memory (no P2P)" if peers else None
 

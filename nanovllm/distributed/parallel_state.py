@@ -4,6 +4,7 @@ the same calls run eagerly and inside CUDA graphs); between CPU processes, gloo.
 objects) always go over gloo."""
 import datetime
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,13 @@ def tp_size() -> int:
     return _size
 
 
+def local_init_method() -> str:
+    """A rendezvous address for a group on this host (a free port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
 def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.device,
                          custom_all_reduce: bool = True):
     """custom_all_reduce: small all-reduces between GPUs run the one-shot kernel (where the GPUs reach each other's
@@ -38,7 +46,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         torch.cuda.set_device(device)
         unique_id = broadcast_command(NcclCommunicator.unique_id() if rank == 0 else None)
         _nccl = NcclCommunicator(rank, size, unique_id, device)
-        why_not = "disable_custom_all_reduce=True" if not custom_all_reduce else why_not_custom(size, device)
+        why_not = "disable_custom_all_reduce=True" if not custom_all_reduce else why_not_custom(size)
         if why_not is None:
             _custom = CustomAllReduce(rank, size, device, _all_gather_object)
         log_once(f"all-reduces of up to {MAX_BYTES >> 10} KiB between GPUs: the one-shot kernel over P2P, larger ones "

@@ -11,7 +11,6 @@ import dataclasses
 import math
 import multiprocessing
 import os
-import socket
 import threading
 import time
 import traceback
@@ -24,6 +23,7 @@ from nanovllm.distributed.parallel_state import (
     broadcast_command,
     destroy_tensor_parallel,
     init_tensor_parallel,
+    local_init_method,
     share_cpu_threads,
 )
 from nanovllm.logger import log_once, logger
@@ -130,9 +130,7 @@ class TensorParallelWorkers:
 
     def __init__(self, config, stop_token_ids: set[int]):
         size = config.tensor_parallel_size
-        with socket.socket() as s:  # a free port for the group's rendezvous
-            s.bind(("127.0.0.1", 0))
-            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        init_method = local_init_method()
         context = multiprocessing.get_context("spawn")
         self.errors = context.Queue()
         self.processes = [context.Process(target=_worker_main, daemon=True, name=f"nanovllm-tp{rank}",
@@ -185,12 +183,11 @@ class TensorParallelWorkers:
         while not event.query():
             if time.monotonic() - checked > LIVENESS_CHECK_S:
                 checked = time.monotonic()
-                if not all(p.is_alive() for p in self.processes):
+                if _dead(self.processes):
                     raise self._worker_error(RuntimeError("a worker exited while rank 0 waited for a step"))
 
     def _send(self, command):
-        dead = [p for p in self.processes if not p.is_alive()]
-        if dead:
+        if dead := _dead(self.processes):
             raise self._worker_error(RuntimeError(f"{dead[0].name} exited with code {dead[0].exitcode}"))
         try:
             broadcast_command(command)
@@ -213,6 +210,10 @@ class TensorParallelWorkers:
         self._finalizer()
 
 
+def _dead(processes) -> list:
+    return [p for p in processes if not p.is_alive()]
+
+
 def _worker_error(errors, error: Exception) -> RuntimeError:
     """The failed worker's rank and traceback, from its report (else the collective's own error)."""
     try:
@@ -229,7 +230,7 @@ def _watch(processes, errors, closing: threading.Event, reported: threading.Even
     and ends the process: an error, never a hang. (A function, not a method: the thread must not keep the workers'
     owner alive.)"""
     while not closing.wait(WATCHDOG_POLL_S):
-        dead = [p for p in processes if not p.is_alive()]
+        dead = _dead(processes)
         if dead and not closing.wait(WATCHDOG_GRACE_S) and not reported.is_set():
             logger.error(f"{_worker_error(errors, RuntimeError(f'{dead[0].name} exited'))}\nrank 0 is blocked on the "
                          "dead worker's collectives: exiting")
