@@ -52,6 +52,12 @@ def seconds(fn, repeat: int = 5) -> float:
     return (time.perf_counter() - start) / repeat
 
 
+def free_gpu_memory():
+    """Give back what the engine just dropped held (its model and a streamer's hooks hold each other: a cycle)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def pinned_h2d_bandwidth() -> float:
     host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
     device = torch.empty_like(host, device="cuda")
@@ -95,8 +101,7 @@ def bench_copies(args):
                       f"{nbytes / t_torch / 1e9:.1f} | {nbytes / t_flat / 1e9:.1f} | {nbytes / t_sg / bound:.0%} |",
                       flush=True)
         del gpu, pool, flat_host, flat_gpu
-        gc.collect()  # the streamer's hooks and the model hold each other
-        torch.cuda.empty_cache()
+        free_gpu_memory()
 
 
 def generate_seconds(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
@@ -144,8 +149,7 @@ def long_rows(args, model: str, prompt_len: int, bw: float):
         runner = llm.llm_engine.model_runner
         figures[name] = (prompt_len / prefill, decode, runner.kv_bytes_per_token)
         del llm, runner
-        gc.collect()  # the streamer's hooks and the model hold each other
-        torch.cuda.empty_cache()
+        free_gpu_memory()
     offloaded_tokens = prompt_len + args.output_len // 2 - args.gpu_tokens
     bound = bw / (offloaded_tokens * figures["offloaded"][2])
     (pre_r, dec_r, _), (pre_o, dec_o, _) = figures["resident"], figures["offloaded"]
@@ -178,8 +182,7 @@ def bench_batch(args):
         rows.append((name, batch * args.output_len / seconds, seconds, scheduler.num_preemptions, scheduler.num_swaps,
                      copied, link))
         del llm, scheduler, pool
-        gc.collect()
-        torch.cuda.empty_cache()
+        free_gpu_memory()
     print(f"\n| device | date | config |\n|---|---|---|\n| {torch.cuda.get_device_name()} | {datetime.date.today()} | "
           f"{args.model}, bf16, {batch} prompts of {prompt_len:,} tokens + {args.output_len} greedy tokens; GPU KV "
           f"capped at 1/{args.kv_multiple:g} of the batch's |\n")
@@ -244,8 +247,7 @@ def weights_rows(args, model: str, layers_bytes: int | None, bw: float, resident
         rows.append(f"| {where} | {batch} | {tps:,.1f} | {tps / resident[batch]:.2f}x | {bound} |")
         curve.append((batch, tps, batch / step_bound if step_bound else None))
     del llm, streamer
-    gc.collect()  # the streamer's hooks and the model hold each other
-    torch.cuda.empty_cache()
+    free_gpu_memory()
     return rows, where.split(" (")[0] if host or disk else "resident", curve, layers_bytes
 
 
