@@ -1,7 +1,9 @@
 """Tensor parallelism (distributed/): on CPU two processes over gloo split the heads, the MLP rows and the
 vocabulary, and give the greedy tokens and logprobs of one process; bad sizes are refused before any weight loads; a
 worker that dies fails the job with its rank."""
+import ctypes
 import gc
+import threading
 import time
 
 import pytest
@@ -109,7 +111,9 @@ def test_two_gpus_give_the_tokens_of_one(tiny_model_dir, dtype):
                         for o in llm.generate(PROMPTS, params, use_tqdm=False)])
         assert runner.num_steady_steps > 0  # decode steps replayed with the inputs left on the devices
         if llm.llm_engine.workers is not None:
-            llm.llm_engine.workers.close()
+            started = time.monotonic()
+            llm.llm_engine.workers.close()  # every rank frees its graphs, so NCCL's abort ends at once
+            assert time.monotonic() - started < 5
         del llm
     pairs = [(a, b) for one, two in zip(*outputs) for a, b in zip(one, two)]
     agreement = sum(a == b for a, b in pairs) / len(pairs)
@@ -162,6 +166,43 @@ def test_rank_0_failing_while_building_ends_the_workers_waiting_in_a_collective(
         LLM(tiny_model_dir("tiny-llama"), device="cpu", dtype="float32", max_model_len=128,
             kv_cache_memory_bytes=16 << 20, tensor_parallel_size=2)
     assert time.monotonic() - started < 60
+
+
+def test_closing_frees_the_graphs_before_the_communicator(monkeypatch):
+    """NCCL's abort waits for every CUDA graph that captured its collectives (on two GPUs the engine's close hung in
+    it): the shut-down frees rank 0's graphs first."""
+    from nanovllm.distributed import workers
+
+    order = []
+
+    class Graph:
+        def reset(self):
+            order.append("graph")
+
+    graphs = [{1: Graph()}, {(1, 128): Graph()}]
+    monkeypatch.setattr(workers, "destroy_tensor_parallel", lambda: order.append("communicator"))
+    workers._shut_down([], threading.Event(), graphs)
+    assert order == ["graph", "graph", "communicator"] and graphs == [{}, {}]
+
+
+def test_an_nccl_abort_that_never_ends_is_a_warning_not_a_hang(monkeypatch):
+    from nanovllm.distributed import pynccl
+
+    never, warnings = threading.Event(), []
+
+    class Library:
+        def ncclCommAbort(self, comm):
+            never.wait()
+
+    communicator = pynccl.NcclCommunicator.__new__(pynccl.NcclCommunicator)
+    communicator.lib, communicator.comm = Library(), ctypes.c_void_p(1)
+    monkeypatch.setattr(pynccl, "ABORT_WAIT_S", 0.2)
+    monkeypatch.setattr(pynccl.logger, "warning", warnings.append)
+    started = time.monotonic()
+    communicator.destroy()
+    assert time.monotonic() - started < 5 and not communicator.comm
+    assert "did not end" in warnings[0]
+    never.set()
 
 
 @pytest.mark.slow

@@ -5,9 +5,13 @@ so the same calls run eagerly and inside graphs. The library is the one torch it
 import ctypes
 import glob
 import os
+import threading
 
 import torch
 
+from nanovllm.logger import logger
+
+ABORT_WAIT_S = 10.0
 _TYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6, torch.float32: 7,
           torch.float64: 8, torch.bfloat16: 9}
 _OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
@@ -77,7 +81,15 @@ class NcclCommunicator:
         return out
 
     def destroy(self):
-        """Abort rather than destroy: destroying waits on the peers, which may be gone."""
-        if self.comm:
-            self.lib.ncclCommAbort(self.comm)
-            self.comm = ctypes.c_void_p()
+        """Abort rather than destroy: destroying waits on the peers, which may be gone. The abort still waits until
+        every CUDA graph that captured this communicator's calls is freed (ModelRunner.release_graphs): bounded here,
+        so that one left alive costs a warning and the communicator's memory until the process exits, not a hang."""
+        if not self.comm:
+            return
+        comm, self.comm = self.comm, ctypes.c_void_p()
+        aborting = threading.Thread(target=self.lib.ncclCommAbort, args=(comm,), daemon=True, name="nanovllm-nccl-abort")
+        aborting.start()
+        aborting.join(ABORT_WAIT_S)
+        if aborting.is_alive():
+            logger.warning(f"the NCCL communicator's abort did not end in {ABORT_WAIT_S:.0f} s (a CUDA graph that "
+                           "captured its collectives is still alive?): its memory is freed when the process exits")

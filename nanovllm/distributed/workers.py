@@ -103,6 +103,7 @@ def _led_calls(runner) -> list[tuple[str, object, str]]:
 
 
 def _worker_main(config, rank: int, init_method: str, stop_token_ids: set[int], errors):
+    runner = None
     try:
         from nanovllm.engine.model_runner import ModelRunner
 
@@ -122,7 +123,7 @@ def _worker_main(config, rank: int, init_method: str, stop_token_ids: set[int], 
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1)
     finally:
-        destroy_tensor_parallel()
+        _release(runner.captured_graphs() if runner is not None else [])
 
 
 class TensorParallelWorkers:
@@ -145,7 +146,10 @@ class TensorParallelWorkers:
         self._leading = False
         self._reported = threading.Event()  # rank 0 has raised a worker's failure (the watchdog then lets it be)
         self._closing = threading.Event()
-        self._finalizer = weakref.finalize(self, _shut_down, self.processes, self._closing)
+        # rank 0's CUDA graphs, once followed: freed before the communicator (held here, not through the runner,
+        # whose weak reference is already cleared when the garbage collector drops the engine)
+        self._graphs: list[dict] = []
+        self._finalizer = weakref.finalize(self, _shut_down, self.processes, self._closing, self._graphs)
         threading.Thread(target=_watch, args=(self.processes, self.errors, self._closing, self._reported), daemon=True,
                          name="nanovllm-tp-watchdog").start()
         init_tensor_parallel(0, size, init_method, device, not config.disable_custom_all_reduce)
@@ -155,6 +159,7 @@ class TensorParallelWorkers:
         graphs' replays and their inputs, the host pool's KV block copies: each rank moves its heads' part) run on
         every rank. A call's device tensors go to the other ranks by broadcast, without waiting for the device."""
         self.device = runner.device
+        self._graphs.extend(runner.captured_graphs())
         runner.wait_for = self._wait_for
         for kind, obj, method in _led_calls(runner):
             setattr(obj, method, self._leader(kind, getattr(obj, method)))
@@ -237,7 +242,16 @@ def _watch(processes, errors, closing: threading.Event, reported: threading.Even
             os._exit(1)
 
 
-def _shut_down(processes, closing: threading.Event):
+def _release(graph_dicts: list[dict]):
+    """The CUDA graphs first: the NCCL communicator's abort waits until none that captured its collectives is left."""
+    if graph_dicts:
+        from nanovllm.engine.cuda_graph import release  # CUDA only: it imports the Triton kernels
+
+        release(graph_dicts)
+    destroy_tensor_parallel()
+
+
+def _shut_down(processes, closing: threading.Event, graph_dicts: list[dict]):
     closing.set()
     try:
         if any(p.is_alive() for p in processes):
@@ -248,4 +262,4 @@ def _shut_down(processes, closing: threading.Event):
         process.join(timeout=10)
         if process.is_alive():
             process.kill()
-    destroy_tensor_parallel()
+    _release(graph_dicts)

@@ -55,6 +55,15 @@ def _capture(graphs: dict, sizes: list, step, pool):
     return pool
 
 
+def release(graph_dicts: list[dict]):
+    """Free captured graphs now, not when Python drops them: a graph that captured NCCL calls holds a reference on
+    the communicator, and aborting that communicator waits until the reference is gone."""
+    for graphs in graph_dicts:
+        for graph in graphs.values():
+            graph.reset()
+        graphs.clear()
+
+
 class _StepBuffers:
     """The static inputs a captured step reads: per token and per sequence."""
 
@@ -149,6 +158,9 @@ class CUDAGraphRunner:
         self.ring_state.zero_()  # the warm-up steps counted
         torch.cuda.synchronize()
         return pool
+
+    def graph_dicts(self) -> list[dict]:
+        return [self.graphs, self.sample_graphs, self.steady_graphs]
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.batch_sizes[-1]
@@ -256,6 +268,9 @@ class PrefillCUDAGraphRunner:
     @torch.inference_mode()
     def capture(self, pool=None):
         return _capture(self.graphs, self.token_counts, self._step, pool)
+
+    def graph_dicts(self) -> list[dict]:
+        return [self.graphs]
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return (meta.prefill_tiles is not None and num_tokens <= self.token_counts[-1]

@@ -156,6 +156,11 @@ class ModelRunner:
         self.num_steady_steps = 0  # statistics: decode steps launched with no inputs from the host
         self.wait_for = torch.cuda.Event.synchronize  # how the host waits for a step (tensor parallel: watching its workers)
 
+    def captured_graphs(self) -> list[dict]:
+        """The dicts of every captured CUDA graph (tensor parallelism frees them before its communicator, which
+        waits for the graphs that captured its collectives)."""
+        return [d for runner in (self.graphs, self.prefill_graphs) if runner is not None for d in runner.graph_dicts()]
+
     def _graph_skip_reason(self) -> str | None:
         """Why steps will run eagerly (None: they replay CUDA graphs)."""
         if self.device.type != "cuda":
