@@ -94,6 +94,8 @@ def _led_calls(runner) -> list[tuple[str, object, str]]:
     calls = [("forward", runner.model, "forward"), ("logits", runner.model, "compute_logits")]
     if runner.host_pool is not None:
         calls += [("copy_out", runner.host_pool, "_copy_out"), ("copy_in", runner.host_pool, "_copy_in")]
+    if runner.layer_major is not None:
+        calls.append(("layer_major.run", runner.layer_major, "run"))
     if runner.graphs is not None:
         calls += [(f"graphs.{m}", runner.graphs, m) for m in
                   ("run", "replay", "sample", "set_blocks", "advance", "run_steady")]

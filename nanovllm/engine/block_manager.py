@@ -156,6 +156,26 @@ class BlockManager:
             seq.block_table[i] = -1
         return len(device_blocks)
 
+    def place_prefill_in_pool(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """For a prompt prefilled a layer at a time (kvcache/layer_major.py): seq's computed KV moved to the host pool,
+        and blocks for its num_new_tokens taken there too but for the tail that the device's free blocks hold. False
+        where that cannot be (computed tokens ending mid-block or in blocks other sequences share, the device or
+        the pool too full); seq then keeps its blocks, with some perhaps moved, as offload() leaves them."""
+        bs, computed = self.block_size, seq.num_computed_tokens
+        if self.host_pool is None or computed % bs or len(seq.block_table) != computed // bs:
+            return False
+        self.offload(seq, computed // bs - len(seq.host_blocks))
+        new_blocks = -(-(computed + num_new_tokens) // bs) - computed // bs
+        on_device = min(self.num_free_blocks, new_blocks)
+        if len(seq.host_blocks) * bs != computed or on_device < 1 or \
+                new_blocks - on_device > self.host_pool.num_free_blocks:
+            return False
+        pool_blocks = self.host_pool.take(new_blocks - on_device)
+        seq.host_blocks += pool_blocks
+        seq.block_table += [-1] * len(pool_blocks) + [self._take_free_block() for _ in range(on_device)]
+        self.num_offloaded_blocks += len(pool_blocks)
+        return True
+
     def free(self, seq: Sequence):
         """Drop seq's references; its tail blocks become the first to be evicted."""
         offloaded = len(seq.host_blocks)

@@ -55,7 +55,8 @@ class LLMEngine:
             self.workers.follow(self.model_runner)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.host_pool)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.model_runner.layer_major is not None)
         self.requests: dict[str, Request] = {}
         self._seed_rng = np.random.default_rng(config.seed)
         self._arrival = count()

@@ -14,6 +14,7 @@ from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.sequence import Sequence
 from nanovllm.host_memory import require_host_memory
 from nanovllm.kvcache.host_pool import HostKVPool
+from nanovllm.kvcache.layer_major import LayerMajorPrefill
 from nanovllm.kvcache.offload_engine import OFFLOAD_SLOT_BYTES, OFFLOAD_SLOTS, OffloadEngine, slot_blocks
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
@@ -141,6 +142,7 @@ class ModelRunner:
         self._choose_layer_kernels()
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
+        self.layer_major: LayerMajorPrefill | None = None  # set with the host pool
         self.host_pool = self._make_host_pool()
         if self.device.type == "cpu":
             keep_freed_memory()  # after loading: load-time temporaries are returned to the OS as before
@@ -354,8 +356,12 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
-        if self.config.kv_offloading_size is not None:
-            budget -= OFFLOAD_SLOTS * OFFLOAD_SLOT_BYTES  # the ring the offloaded KV streams through
+        if self.config.kv_offloading_size is not None:  # the ring the offloaded KV streams through, and the
+            # staging buffers and hidden states of a prompt prefilled a layer at a time
+            max_len, layers = self.config.model_config.max_model_len, len(self.attention_layers)
+            budget -= OFFLOAD_SLOTS * OFFLOAD_SLOT_BYTES + LayerMajorPrefill.bytes_needed(
+                max_len, self.kv_bytes_per_block() // (self.block_size * layers),
+                self.hf_config.hidden_size * self.dtype.itemsize)
         num_blocks = int(budget // self.kv_bytes_per_block())
         if num_blocks < 1:
             gib = 1 << 30
@@ -423,8 +429,14 @@ class ModelRunner:
                                self.device, fast=self.fast_kernels)
         for i, attn in enumerate(self.attention_layers):
             attn.layer_index, attn.offload_engine = i, engine
+        if self.streamer is None:  # (streamed weights would be fetched again for every chunk of a layer)
+            self.layer_major = LayerMajorPrefill(self.model, self.kv_cache, host_pool.pool,
+                                                 self.config.model_config.max_model_len,
+                                                 self.config.max_num_batched_tokens, self.fast_kernels)
         logger.info(f"KV in host memory: {num_blocks} blocks ({gib:g} GiB); offloaded blocks are attended to "
-                    f"through {OFFLOAD_SLOTS} slots of {engine.slot_blocks} blocks")
+                    f"through {OFFLOAD_SLOTS} slots of {engine.slot_blocks} blocks"
+                    + ("; a prompt that outgrows the GPU alone is prefilled a layer at a time into host memory"
+                       if self.layer_major is not None else ""))
         return host_pool
 
     # ---- one step -------------------------------------------------------------------------------
@@ -544,7 +556,11 @@ class ModelRunner:
                 input_ids.index_copy_(0, rows[1], tokens[rows[0]])
         self.bytes_read += self.weight_bytes + sum(meta.seq_lens_cpu) * self.kv_bytes_per_token
         hidden = all_logits = None
-        if meta.offloaded is not None:  # attention over host blocks runs eagerly (kvcache/offload_engine.py)
+        if self.layer_major is not None and self.layer_major.takes(seqs):  # kvcache/layer_major.py
+            seq = seqs[0]
+            hidden = self.layer_major.run(input_ids, positions, seq.num_computed_tokens, seq.host_blocks,
+                                          seq.block_table[len(seq.host_blocks):])
+        elif meta.offloaded is not None:  # attention over host blocks runs eagerly (kvcache/offload_engine.py)
             hidden = self.model(input_ids, positions, meta)
         elif self.graphs is not None and meta.num_decodes == len(seqs) and self.graphs.can_run(len(seqs)):
             all_logits = self.graphs.run(input_ids, positions, meta)

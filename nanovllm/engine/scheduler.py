@@ -13,8 +13,12 @@ class Scheduler:
     preempted (kvcache/offload_engine.py attends to them; those steps run eagerly, so a batch under KV pressure
     preempts its newest sequences first, as without the pool), and no chunk asks for more blocks than the GPU has."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefill_to_host: bool = False):
+        """prefill_to_host: the model runner can prefill a prompt a layer at a time into the host pool
+        (kvcache/layer_major.py)."""
         self.block_manager = block_manager
+        self.prefill_to_host = prefill_to_host
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -37,6 +41,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if len(self.running) == 1 and self._prefill_to_host(seq):
+                scheduled.append(seq)
+                budget = 0
+                break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self._max_chunk)
             while not self.block_manager.allocate_slots(seq, num_new):
                 if len(self.running) == 1 and (fit := self._offload_for(seq, num_new)):
@@ -56,6 +64,8 @@ class Scheduler:
             if seq.swapped_blocks is not None:
                 if not self._swap_in(seq, budget):
                     break
+            elif not self.running and not scheduled and self._prefill_to_host(seq):
+                budget = 0
             else:
                 hits = self.block_manager.find_cached_blocks(seq)
                 num_new = min(seq.num_tokens - hits.num_blocks * self.block_manager.block_size, budget,
@@ -110,6 +120,21 @@ class Scheduler:
         block), since the rest of its KV may live in the pool."""
         bm = self.block_manager
         return (bm.num_blocks - 1) * bm.block_size if self.host_pool is not None else self.max_num_batched_tokens
+
+    def _prefill_to_host(self, seq: Sequence) -> bool:
+        """Schedule the rest of a prompt running alone whose KV outgrows the device's free blocks as one step,
+        prefilled a layer at a time with its KV going to the host pool and the tail that fits kept on the device
+        (kvcache/layer_major.py): its prefix is read once a layer instead of once a chunk."""
+        bm = self.block_manager
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if not self.prefill_to_host or seq.swapped_blocks is not None or remaining < 2:
+            return False
+        if -(-seq.num_tokens // bm.block_size) - len(seq.block_table) <= bm.num_free_blocks:
+            return False  # it fits: the usual chunks
+        if not bm.place_prefill_in_pool(seq, remaining):
+            return False
+        seq.num_scheduled_tokens = remaining
+        return True
 
     def _offload_for(self, seq: Sequence, num_new: int) -> int:
         """How many of num_new tokens fit once seq's own leading blocks move to the host pool to make room (all of

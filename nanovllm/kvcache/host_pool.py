@@ -75,11 +75,16 @@ class HostKVPool:
                         f"({num_tokens} tokens: {copy * 1e3:.2f} vs {recompute * 1e3:.2f} ms)")
         return swap
 
+    def take(self, num_blocks: int) -> list[int]:
+        """num_blocks free pool blocks (evicting cached prefix blocks where needed), ascending; the caller checked
+        num_free_blocks."""
+        return sorted(self._take_block() for _ in range(num_blocks))
+
     def swap_out(self, device_blocks: list[int]) -> list[int] | None:
         """Copy these device blocks into free pool blocks and return those, or None where the pool lacks room."""
         if len(device_blocks) > self.num_free_blocks:
             return None
-        pool_blocks = sorted(self._take_block() for _ in device_blocks)  # ascending: a run copies in one call
+        pool_blocks = self.take(len(device_blocks))  # ascending: a run copies in one call
         self._copy_out(device_blocks, pool_blocks)
         return pool_blocks
 

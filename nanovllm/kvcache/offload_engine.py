@@ -178,7 +178,10 @@ class OffloadEngine:
 
     def forward(self, layer: int, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """A layer's attention for a step where meta.offloaded names host blocks: the new K/V stored, then each
-        sequence's queries against its resident context (causal) merged with its offloaded prefix."""
+        sequence's queries against its resident context (causal) merged with its offloaded prefix. A chunk of a
+        prompt prefilled a layer at a time attends through its LayerMajorPrefill (kvcache/layer_major.py) instead."""
+        if (layer_major := meta.scratch.get("layer_major")) is not None:
+            return layer_major.attend(layer, q, k, v, meta, scale)
         if layer == 0:  # the step's every offloaded part, layer by layer, in the order attend() reads them
             self.plan([(i, part) for i in range(self.pool.shape[1]) for blocks in meta.offloaded if blocks
                        for part in self.parts(blocks)])

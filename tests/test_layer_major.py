@@ -1,0 +1,51 @@
+"""A prompt that outgrows the device's KV blocks, running alone, is prefilled a layer at a time with its KV going
+straight to the host pool (kvcache/layer_major.py): the greedy tokens and logprobs of a device that holds
+everything, whether the prompt starts fresh or after a first chunk computed on the device, and no block leaks."""
+import pytest
+import torch
+from conftest import assert_no_leaks
+
+from nanovllm import LLM, SamplingParams
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PROMPT = {"prompt_token_ids": [(7 * j) % 500 + 3 for j in range(300)]}
+
+
+@pytest.mark.parametrize("first_chunk_on_device", [False, True])
+def test_a_prompt_prefilled_a_layer_at_a_time_gives_the_resident_tokens(tiny_model_dir, first_chunk_on_device):
+    """6 device blocks of 16 tokens for a 300-token prompt, in chunks of 64 inside each layer. With a first chunk
+    computed on the device (the scheduler declines the layer-major path once), its 4 blocks move to the pool and
+    each layer loads them into its staging buffer."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    kw = dict(device=DEVICE, dtype="float32", max_model_len=512, block_size=16, max_num_batched_tokens=64,
+              max_num_seqs=4)
+    resident = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=64, **kw)
+    offloaded = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=6, kv_offloading_size=0.01, **kw)
+    scheduler = offloaded.llm_engine.scheduler
+    if first_chunk_on_device:
+        schedule = scheduler.schedule
+
+        def first_chunk_on_the_device():
+            scheduler.prefill_to_host = bool(scheduler.running)
+            return schedule()
+
+        scheduler.schedule = first_chunk_on_the_device
+    want = resident.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    got = offloaded.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids
+    assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, rel=1e-4, abs=1e-4)
+    assert offloaded.llm_engine.model_runner.layer_major.runs == 1
+    assert offloaded.llm_engine.block_manager.num_offloaded_blocks >= 300 // 16 - 6
+    assert_no_leaks(offloaded)
+
+
+def test_the_step_takes_the_whole_rest_of_the_prompt(tiny_model_dir):
+    """One step for the 300 tokens, past max_num_batched_tokens, its leading blocks in the pool and its tail on the
+    device."""
+    llm = LLM(tiny_model_dir("tiny-llama"), device="cpu", max_model_len=512, block_size=16, max_num_batched_tokens=64,
+              max_num_seqs=4, num_gpu_blocks_override=6, kv_offloading_size=0.01)
+    engine = llm.llm_engine
+    engine.add_request("0", PROMPT["prompt_token_ids"], SamplingParams(max_tokens=1))
+    [seq] = engine.scheduler.schedule()
+    assert seq.num_scheduled_tokens == 300
+    assert len(seq.host_blocks) == 19 - 6 and seq.block_table[:13] == [-1] * 13 and -1 not in seq.block_table[13:]
