@@ -49,3 +49,18 @@ def test_the_step_takes_the_whole_rest_of_the_prompt(tiny_model_dir):
     [seq] = engine.scheduler.schedule()
     assert seq.num_scheduled_tokens == 300
     assert len(seq.host_blocks) == 19 - 6 and seq.block_table[:13] == [-1] * 13 and -1 not in seq.block_table[13:]
+
+
+def test_two_processes_prefill_a_layer_at_a_time_as_one(tiny_model_dir):
+    """Tensor parallel over gloo: every rank stages and stores its own heads' KV (the run is a led call)."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kw = dict(device="cpu", dtype="float32", max_model_len=512, block_size=16, max_num_batched_tokens=64,
+              max_num_seqs=4, num_gpu_blocks_override=6, kv_offloading_size=0.01)
+    tokens = []
+    for size in (1, 2):
+        llm = LLM(tiny_model_dir("tiny-llama"), tensor_parallel_size=size, **kw)
+        tokens.append(llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids)
+        assert llm.llm_engine.model_runner.layer_major.runs == 1
+        if llm.llm_engine.workers is not None:
+            llm.llm_engine.workers.close()
+    assert tokens[0] == tokens[1]
