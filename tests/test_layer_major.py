@@ -64,3 +64,25 @@ def test_two_processes_prefill_a_layer_at_a_time_as_one(tiny_model_dir):
         if llm.llm_engine.workers is not None:
             llm.llm_engine.workers.close()
     assert tokens[0] == tokens[1]
+
+
+def test_the_fast_chunk_attention_is_the_torch_one():
+    """The Triton paged prefill over a staging buffer (under the interpreter on CPU) against the masked torch twin,
+    for a prompt's second chunk after its first."""
+    from nanovllm.kvcache.layer_major import LayerMajorPrefill
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, block = 4, 2, 16, 16
+    cache = torch.zeros(2, 1, 8, block, kv_heads, dim)
+    outs = []
+    for fast in (False, True):
+        prefill = LayerMajorPrefill(None, cache, cache.clone(), max_tokens=96, chunk_tokens=40, fast=fast)
+        metas = prefill._chunk_metas(computed=16, num_tokens=70, host_blocks=[0], device="cpu")
+        generator = torch.Generator().manual_seed(1)
+        prefill.staging[0].fill_(float("nan"))  # slots past the context must never be read
+        prefill.staging[0][:, :, :1] = torch.randn(2, 1, 1, block, kv_heads, dim, generator=generator)  # the prefix
+        for (start, end), meta in metas:
+            q, k, v = (torch.randn(end - start, h, dim, generator=generator) for h in (heads, kv_heads, kv_heads))
+            out = prefill.attend(0, q, k, v, meta, dim ** -0.5)
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
