@@ -147,15 +147,16 @@ def long_rows(args, model: str, prompt_len: int, bw: float):
         prefill = generate_seconds(llm, [prompt], 1)
         decode = (args.output_len - 1) / (generate_seconds(llm, [prompt], args.output_len) - prefill)
         runner = llm.llm_engine.model_runner
-        figures[name] = (prompt_len / prefill, decode, runner.kv_bytes_per_token)
+        path = "a layer at a time" if runner.layer_major is not None and runner.layer_major.runs else "chunked"
+        figures[name] = (prompt_len / prefill, decode, runner.kv_bytes_per_token, path)
         del llm, runner
         free_gpu_memory()
     offloaded_tokens = prompt_len + args.output_len // 2 - args.gpu_tokens
     bound = bw / (offloaded_tokens * figures["offloaded"][2])
-    (pre_r, dec_r, _), (pre_o, dec_o, _) = figures["resident"], figures["offloaded"]
+    (pre_r, dec_r, *_), (pre_o, dec_o, _, path) = figures["resident"], figures["offloaded"]
     print(f"| {prompt_len:,} | resident | {pre_r:,.0f} | 1.00x | {dec_r:.1f} | 1.00x | |")
-    print(f"| {prompt_len:,} | offloaded | {pre_o:,.0f} | {pre_o / pre_r:.2f}x | {dec_o:.1f} | {dec_o / dec_r:.2f}x | "
-          f"{bound:.0f} tok/s ({dec_o / bound:.0%}) |", flush=True)
+    print(f"| {prompt_len:,} | offloaded, prefill {path} | {pre_o:,.0f} | {pre_o / pre_r:.2f}x | {dec_o:.1f} | "
+          f"{dec_o / dec_r:.2f}x | {bound:.0f} tok/s ({dec_o / bound:.0%}) |", flush=True)
 
 
 def bench_batch(args):
