@@ -73,16 +73,17 @@ def test_the_fast_chunk_attention_is_the_torch_one():
 
     torch.manual_seed(0)
     heads, kv_heads, dim, block = 4, 2, 16, 16
-    cache = torch.zeros(2, 1, 8, block, kv_heads, dim)
+    cache = torch.zeros(2, 1, 8, block, kv_heads, dim, device=DEVICE)
     outs = []
     for fast in (False, True):
         prefill = LayerMajorPrefill(None, cache, cache.clone(), max_tokens=96, chunk_tokens=40, fast=fast)
-        metas = prefill._chunk_metas(computed=16, num_tokens=70, host_blocks=[0], device="cpu")
+        metas = prefill._chunk_metas(computed=16, num_tokens=70, host_blocks=[0], device=DEVICE)
         generator = torch.Generator().manual_seed(1)
         prefill.staging[0].fill_(float("nan"))  # slots past the context must never be read
         prefill.staging[0][:, :, :1] = torch.randn(2, 1, 1, block, kv_heads, dim, generator=generator)  # the prefix
         for (start, end), meta in metas:
-            q, k, v = (torch.randn(end - start, h, dim, generator=generator) for h in (heads, kv_heads, kv_heads))
+            q, k, v = (torch.randn(end - start, h, dim, generator=generator).to(DEVICE)
+                       for h in (heads, kv_heads, kv_heads))
             out = prefill.attend(0, q, k, v, meta, dim ** -0.5)
         outs.append(out)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
