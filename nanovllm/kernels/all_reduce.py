@@ -1,8 +1,9 @@
 """One-shot all-reduce of a small tensor between the GPUs of one host (distributed/custom_all_reduce.py): each rank
 copies its tensor into its own buffer, which the others can read (CUDA IPC, over NVLink), raises a flag in each
 peer's memory, waits for the peers' flags, and sums every rank's buffer in rank order, so every rank gets the same
-bits. One kernel launch and one read of each peer: for the few KB of a decode step's hidden states it takes 6.6 us
-on two H100s inside a CUDA graph, against NCCL's 16.8 us (docs/benchmarks.md).
+bits. One kernel launch and one read of each peer: for the few KB of a decode step's hidden states it took 6.6 us
+on two H100s inside a CUDA graph, against NCCL's 16.8 us (docs/benchmarks.md; that version, before the fixed grid,
+programmatic dependent launch and .cg loads, read its peers with scalar volatile loads).
 
 Program p of each rank pairs with program p of the others: it counts its calls in epochs[p] (the ranks make the
 same calls, so the counts agree) and flags a call by its count. Buffers alternate by the count's parity: a rank
@@ -14,13 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.pdl import pdl_launch, wait_then_release
+
 BLOCK = 2048  # elements a program moves per iteration
 MAX_PROGRAMS = 32  # few enough to be resident together on every GPU: a program spins until its peers arrive
 
 
 @triton.jit
 def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs_ptr, rank, slot_elems, WORLD: tl.constexpr,
-                     MAX_PROGRAMS: tl.constexpr, BLOCK: tl.constexpr):
+                     MAX_PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_then_release(PDL)
     p = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     epoch = tl.load(epochs_ptr + p) + 1
@@ -46,7 +50,9 @@ def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs_ptr, rank, slot_elem
         total = tl.zeros([BLOCK], dtype=tl.float32)
         for q in tl.static_range(WORLD):
             data = tl.load(data_ptrs + q).to(tl.pointer_type(x_ptr.dtype.element_ty)) + slot
-            total += tl.load(data + offs, mask=offs < n, other=0, volatile=True).to(tl.float32)
+            # past the acquire, plain vector loads see the peers' stores; .cg keeps them out of L1, which may hold
+            # lines of this slot from two calls ago (volatile loads were scalar)
+            total += tl.load(data + offs, mask=offs < n, other=0, cache_modifier=".cg").to(tl.float32)
         tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=offs < n)
     tl.store(epochs_ptr + p, epoch)
 
@@ -58,7 +64,7 @@ def one_shot_all_reduce(x: torch.Tensor, data_ptrs: torch.Tensor, flag_ptrs: tor
     epochs: this rank's [MAX_PROGRAMS] int32 call counts."""
     n = x.numel()
     _one_shot_kernel[(MAX_PROGRAMS,)](x, n, data_ptrs, flag_ptrs, epochs, rank, slot_elems, WORLD=data_ptrs.shape[0],
-                                  MAX_PROGRAMS=MAX_PROGRAMS, BLOCK=BLOCK, num_warps=4)
+                                      MAX_PROGRAMS=MAX_PROGRAMS, BLOCK=BLOCK, num_warps=4, **pdl_launch(x.device))
     return x
 
 
