@@ -82,7 +82,7 @@ class NcclCommunicator:
 
     def destroy(self):
         """Abort rather than destroy: destroying waits on the peers, which may be gone. The abort still waits until
-        every CUDA graph that captured this communicator's calls is freed (ModelRunner.release_graphs): bounded here,
+        every CUDA graph that captured this communicator's calls is freed (workers._release frees them first): bounded,
         so that one left alive costs a warning and the communicator's memory until the process exits, not a hang."""
         if not self.comm:
             return

@@ -11,7 +11,9 @@ class Scheduler:
     block manager's host pool where the copy is cheaper, copied to host memory and back when it resumes. With a host
     pool, a sequence that runs alone and outgrows the GPU moves its own leading blocks there instead of being
     preempted (kvcache/offload_engine.py attends to them; those steps run eagerly, so a batch under KV pressure
-    preempts its newest sequences first, as without the pool), and no chunk asks for more blocks than the GPU has."""
+    preempts its newest sequences first, as without the pool), and no chunk asks for more blocks than the GPU has.
+    A prompt running alone whose KV outgrows the GPU is instead prefilled in one step, a layer at a time, its KV going
+    to the pool (kvcache/layer_major.py)."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  prefill_to_host: bool = False):
