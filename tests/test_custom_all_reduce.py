@@ -32,6 +32,16 @@ def test_one_shot_kernel_sums_its_peer_and_flags_it():
         assert (flags[1][0] == call).all() and (epochs == call).all()
 
 
+def test_the_kernel_takes_sizes_up_to_where_it_stops_beating_nccl():
+    from nanovllm.distributed.custom_all_reduce import FLOOR_BYTES, choose_max_bytes
+
+    sizes = [256 << 10, 512 << 10, 1 << 20, 2 << 20]
+    assert choose_max_bytes(sizes, [(5, 17), (9, 18), (20, 25), (30, 28)]) == 1 << 20
+    assert choose_max_bytes(sizes, [(5, 17), (19, 18), (20, 25), (21, 28)]) == 256 << 10  # not past a loss
+    assert choose_max_bytes(sizes, [(20, 17)] * 4) == FLOOR_BYTES
+    assert choose_max_bytes(sizes, [(1, 2)] * 4) == 2 << 20
+
+
 def _two_gpu_worker(rank: int, init_method: str, results):
     try:
         _two_gpu_checks(rank, init_method, results)
@@ -42,24 +52,25 @@ def _two_gpu_worker(rank: int, init_method: str, results):
 
 def _two_gpu_checks(rank: int, init_method: str, results):
     from nanovllm.distributed import parallel_state
-    from nanovllm.distributed.custom_all_reduce import MAX_BYTES
+    from nanovllm.distributed.custom_all_reduce import BUFFER_BYTES
 
     parallel_state.init_tensor_parallel(rank, 2, init_method, torch.device("cuda"))
-    assert parallel_state._custom is not None
+    custom = parallel_state._custom
+    assert custom is not None and custom.max_bytes >= 128 << 10
     checks = []
-    for numel in (1, 4096, 4096 * 33 + 7, MAX_BYTES // 2):  # up to MAX_BYTES in bf16
+    for numel in (1, 4096, 4096 * 33 + 7, BUFFER_BYTES // 2):  # up to a whole buffer slot in bf16
         parts = [torch.randn(numel, device="cuda", dtype=torch.bfloat16,
                              generator=torch.Generator(device="cuda").manual_seed(r)) for r in range(2)]
         x, expect = parts[rank], all_reduce_reference(parts)
         for _ in range(3):  # eager, several calls: the buffers alternate
             y = x.clone()
-            parallel_state.all_reduce(y)
+            custom(y)
             checks.append(torch.equal(y, expect))
         static = x.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(4):
-                parallel_state.all_reduce(static)
+                custom(static)
         for _ in range(3):
             static.copy_(x)
             graph.replay()

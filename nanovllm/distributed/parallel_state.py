@@ -40,7 +40,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     global _rank, _size, _nccl, _custom
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=size, timeout=TIMEOUT)
     if device.type == "cuda":
-        from nanovllm.distributed.custom_all_reduce import MAX_BYTES, CustomAllReduce, why_not_custom  # Triton
+        from nanovllm.distributed.custom_all_reduce import CustomAllReduce, measure_max_bytes, why_not_custom  # Triton
 
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
@@ -49,7 +49,8 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
         why_not = "disable_custom_all_reduce=True" if not custom_all_reduce else why_not_custom(size)
         if why_not is None:
             _custom = CustomAllReduce(rank, size, device, _all_gather_object)
-        log_once(f"all-reduces of up to {MAX_BYTES >> 10} KiB between GPUs: the one-shot kernel over P2P, larger ones "
+            max_bytes = measure_max_bytes(_custom, _nccl.all_reduce, _all_gather_object)
+        log_once(f"all-reduces of up to {max_bytes >> 10} KiB between GPUs: the one-shot kernel over P2P, larger ones "
                  "NCCL" if why_not is None else f"all-reduces between GPUs run NCCL ({why_not})")
     _rank, _size = rank, size
 
