@@ -51,6 +51,26 @@ def test_the_step_takes_the_whole_rest_of_the_prompt(tiny_model_dir):
     assert len(seq.host_blocks) == 19 - 6 and seq.block_table[:13] == [-1] * 13 and -1 not in seq.block_table[13:]
 
 
+def test_aborted_before_or_after_its_prefill_leaks_no_block(tiny_model_dir):
+    """Aborted once scheduled (the pool blocks taken, the step not yet run), or after the prefill and a few decode
+    steps; then a second prompt runs as the first did."""
+    llm = LLM(tiny_model_dir("tiny-llama"), device="cpu", max_model_len=512, block_size=16, max_num_batched_tokens=64,
+              max_num_seqs=4, num_gpu_blocks_override=6, kv_offloading_size=0.01, async_scheduling=False)
+    engine, params = llm.llm_engine, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("scheduled", PROMPT["prompt_token_ids"], params)
+    engine.scheduler.schedule()
+    engine.abort_request("scheduled")
+    assert_no_leaks(llm)
+    engine.add_request("decoding", PROMPT["prompt_token_ids"], params)
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("decoding")
+    assert_no_leaks(llm)
+    assert llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert engine.model_runner.layer_major.runs == 2
+    assert_no_leaks(llm)
+
+
 def test_two_processes_prefill_a_layer_at_a_time_as_one(tiny_model_dir):
     """Tensor parallel over gloo: every rank stages and stores its own heads' KV (the run is a led call)."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
