@@ -2,15 +2,15 @@
 copies its tensor into its own buffer, which the others can read (CUDA IPC, over NVLink), raises a flag in each
 peer's memory, waits for the peers' flags, and sums every rank's buffer in rank order, so every rank gets the same
 bits. One kernel launch and one read of each peer: for the few KB of a decode step's hidden states it took 6.6 us
-on two H100s inside a CUDA graph, against NCCL's 16.8 us (docs/benchmarks.md; that version, before the fixed grid,
-programmatic dependent launch and .cg loads, read its peers with scalar volatile loads).
+on two H100s inside a CUDA graph, against NCCL's 16.8 us (docs/benchmarks.md; that version, before programmatic
+dependent launch and .cg loads, read its peers with scalar volatile loads).
 
 Program p of each rank pairs with program p of the others: it counts its calls in epochs[p] (the ranks make the
 same calls, so the counts agree) and flags a call by its count. Buffers alternate by the count's parity: a rank
 writes a buffer again two calls later, by when every peer has flagged the call in between, so has finished reading
-it. That holds only if a part of the buffer always belongs to the same program, so every call runs MAX_PROGRAMS
-programs whatever its size (with fewer for a small tensor, a part read by program q in one call could be rewritten
-by program p of the next, which waited for its own peer only). Reference: all_reduce_reference."""
+it. That holds because a part of the buffer always belongs to the same program, whatever the call's size: chunk c
+of BLOCK elements goes to program c % MAX_PROGRAMS (a small call runs only the programs that have a chunk, and their
+counts alone advance). Reference: all_reduce_reference."""
 import torch
 import triton
 import triton.language as tl
@@ -63,8 +63,9 @@ def one_shot_all_reduce(x: torch.Tensor, data_ptrs: torch.Tensor, flag_ptrs: tor
     int64 addresses of every rank's buffer ([2, slot_elems] of x's dtype) and flags ([world, MAX_PROGRAMS] int32);
     epochs: this rank's [MAX_PROGRAMS] int32 call counts."""
     n = x.numel()
-    _one_shot_kernel[(MAX_PROGRAMS,)](x, n, data_ptrs, flag_ptrs, epochs, rank, slot_elems, WORLD=data_ptrs.shape[0],
-                                      MAX_PROGRAMS=MAX_PROGRAMS, BLOCK=BLOCK, num_warps=4, **pdl_launch(x.device))
+    programs = min(triton.cdiv(n, BLOCK), MAX_PROGRAMS)
+    _one_shot_kernel[(programs,)](x, n, data_ptrs, flag_ptrs, epochs, rank, slot_elems, WORLD=data_ptrs.shape[0],
+                                  MAX_PROGRAMS=MAX_PROGRAMS, BLOCK=BLOCK, num_warps=4, **pdl_launch(x.device))
     return x
 
 
