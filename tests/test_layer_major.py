@@ -51,9 +51,31 @@ def test_the_step_takes_the_whole_rest_of_the_prompt(tiny_model_dir):
     assert len(seq.host_blocks) == 19 - 6 and seq.block_table[:13] == [-1] * 13 and -1 not in seq.block_table[13:]
 
 
+def test_a_prompt_that_shares_an_offloaded_prefix_takes_it_from_the_pool(tiny_model_dir):
+    """A second prompt that starts with the first one's 200 tokens: the first's pool blocks stayed cached when it
+    finished, so the second takes those 12 blocks as its own leading KV (no copy, no recompute) and is prefilled a
+    layer at a time from there: the tokens of a device that holds everything."""
+    other = {"prompt_token_ids": PROMPT["prompt_token_ids"][:200] + [(11 * j) % 500 + 3 for j in range(100)]}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    kw = dict(device=DEVICE, dtype="float32", max_model_len=512, block_size=16, max_num_batched_tokens=64,
+              max_num_seqs=4)
+    runs = {}
+    for name, blocks, pool in (("resident", 64, None), ("offloaded", 6, 0.01)):
+        llm = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=blocks, kv_offloading_size=pool, **kw)
+        runs[name] = [llm.generate([p], params, use_tqdm=False)[0] for p in (PROMPT, other)]
+    for got, want in zip(runs["offloaded"], runs["resident"]):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob, rel=1e-4,
+                                                                  abs=1e-4)
+    assert runs["offloaded"][1].num_cached_tokens == 192
+    assert llm.llm_engine.block_manager.num_host_hit_blocks == 12
+    assert llm.llm_engine.model_runner.layer_major.runs == 2
+    assert_no_leaks(llm)
+
+
 def test_aborted_before_or_after_its_prefill_leaks_no_block(tiny_model_dir):
     """Aborted once scheduled (the pool blocks taken, the step not yet run), or after the prefill and a few decode
-    steps; then a second prompt runs as the first did."""
+    steps (its 13 pool blocks then stay cached there, and the same prompt again finds them)."""
     llm = LLM(tiny_model_dir("tiny-llama"), device="cpu", max_model_len=512, block_size=16, max_num_batched_tokens=64,
               max_num_seqs=4, num_gpu_blocks_override=6, kv_offloading_size=0.01, async_scheduling=False)
     engine, params = llm.llm_engine, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -66,8 +88,9 @@ def test_aborted_before_or_after_its_prefill_leaks_no_block(tiny_model_dir):
         engine.step()
     engine.abort_request("decoding")
     assert_no_leaks(llm)
+    assert engine.block_manager.num_host_hit_blocks == 0
     assert llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert engine.model_runner.layer_major.runs == 2
+    assert engine.block_manager.num_host_hit_blocks == 19 - 6
     assert_no_leaks(llm)
 
 

@@ -156,31 +156,54 @@ class BlockManager:
             seq.block_table[i] = -1
         return len(device_blocks)
 
-    def place_prefill_in_pool(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """For a prompt prefilled a layer at a time (kvcache/layer_major.py): seq's computed KV moved to the host pool,
-        and blocks for its num_new_tokens taken there too but for the tail that the device's free blocks hold. False
-        where that cannot be (computed tokens ending mid-block or in blocks other sequences share, the device or
-        the pool too full); seq then keeps its blocks, with some perhaps moved, as offload() leaves them."""
-        bs, computed = self.block_size, seq.num_computed_tokens
-        if self.host_pool is None or computed % bs or len(seq.block_table) != computed // bs:
+    def place_prefill_in_pool(self, seq: Sequence, hit: PrefixHit | None = None) -> bool:
+        """For a prompt prefilled a layer at a time in one step (kvcache/layer_major.py): seq's computed KV in the host
+        pool (its device blocks moved there; for a new sequence, a prefix hit's device blocks copied there and the
+        pool's own hit blocks taken as they are), and blocks for the rest of its tokens taken there too, but for the
+        tail that the device's free blocks hold. False, and nothing changed, where that cannot be: computed tokens
+        ending mid-block or in blocks other sequences share, or the pool too full."""
+        bs, hit = self.block_size, hit or PrefixHit()
+        resident = seq.block_table[len(seq.host_blocks):]  # computed blocks still on the device: they move
+        computed = seq.num_computed_tokens + hit.num_blocks * bs
+        if self.host_pool is None or seq.num_computed_tokens % bs or (hit.num_blocks and seq.block_table) or \
+                len(seq.block_table) != seq.num_computed_tokens // bs or \
+                any(self.blocks[b].ref_count != 1 for b in resident) or \
+                any(self.blocks[b].ref_count for b in hit.device_blocks):
             return False
-        self.offload(seq, computed // bs - len(seq.host_blocks))
-        new_blocks = -(-(computed + num_new_tokens) // bs) - computed // bs
-        on_device = min(self.num_free_blocks, new_blocks)
-        if len(seq.host_blocks) * bs != computed or on_device < 1 or \
-                new_blocks - on_device > self.host_pool.num_free_blocks:
+        new_blocks = -(-seq.num_tokens // bs) - computed // bs
+        on_device = min(self.num_free_blocks + len(resident), new_blocks)
+        moved = len(resident) + len(hit.device_blocks)
+        if on_device < 1 or moved + new_blocks - on_device > self.host_pool.num_free_blocks - len(hit.host_hashes):
             return False
+        held = self.host_pool.checkout(hit.host_hashes)  # first: the copies below must not evict them
+        for block_id in hit.device_blocks:  # taken as allocate_slots takes a hit, then moved with the rest
+            del self.free_queue[block_id]
+            self.blocks[block_id].ref_count = 1
+        seq.block_table += hit.device_blocks
+        seq.num_computed_tokens += len(hit.device_blocks) * bs
+        assert self.offload(seq, moved) == moved
+        seq.host_blocks += self.host_pool.adopt(held)
         pool_blocks = self.host_pool.take(new_blocks - on_device)
         seq.host_blocks += pool_blocks
-        seq.block_table += [-1] * len(pool_blocks) + [self._take_free_block() for _ in range(on_device)]
+        seq.block_table += [-1] * (len(held) + len(pool_blocks))
+        seq.block_table += [self._take_free_block() for _ in range(on_device)]
+        if hit.num_blocks:
+            seq.num_computed_tokens = seq.num_cached_tokens = computed
+        self.num_cache_hit_blocks += hit.num_blocks
+        self.num_host_hit_blocks += len(hit.host_hashes)
         self.num_offloaded_blocks += len(pool_blocks)
         return True
 
     def free(self, seq: Sequence):
-        """Drop seq's references; its tail blocks become the first to be evicted."""
+        """Drop seq's references; its tail blocks become the first to be evicted. Its pool blocks that hold full,
+        computed blocks stay in the pool's prefix cache, where a later prompt with that prefix finds them."""
         offloaded = len(seq.host_blocks)
         if offloaded:
-            self.host_pool.release(seq.host_blocks)
+            kept = min(offloaded, seq.num_computed_tokens // self.block_size) if self.enable_prefix_caching else 0
+            hashes, bs = self._full_block_hashes(seq), self.block_size
+            self.host_pool.keep([(hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]), seq.host_blocks[i])
+                                 for i in range(kept)])
+            self.host_pool.release(seq.host_blocks[kept:])
             seq.host_blocks = []
         for block_id in reversed(seq.block_table[offloaded:]):
             block = self.blocks[block_id]

@@ -121,6 +121,21 @@ class HostKVPool:
         self.cached.update(held)
         self.checked_out.difference_update(h for h, _ in held)
 
+    def adopt(self, held: list[tuple[int, tuple[int, tuple[int, ...]]]]) -> list[int]:
+        """Checked-out prefix blocks handed to a sequence as its own pool blocks (an offloaded prompt's leading KV,
+        not loaded to the device): they leave the cache until keep() brings them back."""
+        self.checked_out.difference_update(h for h, _ in held)
+        return [block for _, (block, _) in held]
+
+    def keep(self, entries: list[tuple[int, tuple[int, ...], int]]):
+        """A finished sequence's pool blocks of full, computed blocks, (hash, tokens, block) each: cached as prefix
+        blocks, the most recently used (a block whose prefix is cached already is freed)."""
+        for block_hash, token_ids, block in entries:
+            if block_hash in self.cached or block_hash in self.checked_out:
+                self.release([block])
+            else:
+                self.cached[block_hash] = (block, token_ids)
+
     def reset_prefix_cache(self):
         self.free_blocks.extend(block for block, _ in self.cached.values())
         self.cached.clear()
