@@ -51,25 +51,31 @@ def test_the_step_takes_the_whole_rest_of_the_prompt(tiny_model_dir):
     assert len(seq.host_blocks) == 19 - 6 and seq.block_table[:13] == [-1] * 13 and -1 not in seq.block_table[13:]
 
 
-def test_a_prompt_that_shares_an_offloaded_prefix_takes_it_from_the_pool(tiny_model_dir):
-    """A second prompt that starts with the first one's 200 tokens: the first's pool blocks stayed cached when it
-    finished, so the second takes those 12 blocks as its own leading KV (no copy, no recompute) and is prefilled a
-    layer at a time from there: the tokens of a device that holds everything."""
-    other = {"prompt_token_ids": PROMPT["prompt_token_ids"][:200] + [(11 * j) % 500 + 3 for j in range(100)]}
+@pytest.mark.parametrize("first_len, device_hits, host_hits", [(300, 0, 12), (80, 5, 0)])
+def test_a_prompt_that_shares_a_cached_prefix_starts_from_it(tiny_model_dir, first_len, device_hits, host_hits):
+    """A second prompt that starts with the first one's 200 tokens (or all 80 of a short first one). A long first
+    prompt's pool blocks stayed cached there when it finished: the second takes those 12 blocks as its own leading
+    KV, no copy, no recompute. A short first prompt's 5 blocks are cached on the device: they are copied to the
+    pool. Either way the second is prefilled a layer at a time from there, with the tokens of a device that holds
+    everything."""
+    first = {"prompt_token_ids": PROMPT["prompt_token_ids"][:first_len]}
+    shared = min(first_len, 200)
+    second = {"prompt_token_ids": PROMPT["prompt_token_ids"][:shared] + [(11 * j) % 500 + 3 for j in range(300 - shared)]}
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     kw = dict(device=DEVICE, dtype="float32", max_model_len=512, block_size=16, max_num_batched_tokens=64,
               max_num_seqs=4)
     runs = {}
     for name, blocks, pool in (("resident", 64, None), ("offloaded", 6, 0.01)):
         llm = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=blocks, kv_offloading_size=pool, **kw)
-        runs[name] = [llm.generate([p], params, use_tqdm=False)[0] for p in (PROMPT, other)]
+        runs[name] = [llm.generate([p], params, use_tqdm=False)[0] for p in (first, second)]
     for got, want in zip(runs["offloaded"], runs["resident"]):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         assert got.outputs[0].cumulative_logprob == pytest.approx(want.outputs[0].cumulative_logprob, rel=1e-4,
                                                                   abs=1e-4)
-    assert runs["offloaded"][1].num_cached_tokens == 192
-    assert llm.llm_engine.block_manager.num_host_hit_blocks == 12
-    assert llm.llm_engine.model_runner.layer_major.runs == 2
+    bm = llm.llm_engine.block_manager
+    assert runs["offloaded"][1].num_cached_tokens == 16 * (device_hits + host_hits)
+    assert (bm.num_cache_hit_blocks - bm.num_host_hit_blocks, bm.num_host_hit_blocks) == (device_hits, host_hits)
+    assert llm.llm_engine.model_runner.layer_major.runs == (2 if first_len == 300 else 1)
     assert_no_leaks(llm)
 
 
