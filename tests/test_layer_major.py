@@ -51,15 +51,18 @@ def test_the_step_takes_the_whole_rest_of_the_prompt(tiny_model_dir):
     assert len(seq.host_blocks) == 19 - 6 and seq.block_table[:13] == [-1] * 13 and -1 not in seq.block_table[13:]
 
 
-@pytest.mark.parametrize("first_len, device_hits, host_hits", [(300, 0, 12), (80, 5, 0)])
-def test_a_prompt_that_shares_a_cached_prefix_starts_from_it(tiny_model_dir, first_len, device_hits, host_hits):
-    """A second prompt that starts with the first one's 200 tokens (or all 80 of a short first one). A long first
-    prompt's pool blocks stayed cached there when it finished: the second takes those 12 blocks as its own leading
-    KV, no copy, no recompute. A short first prompt's 5 blocks are cached on the device: they are copied to the
-    pool. Either way the second is prefilled a layer at a time from there, with the tokens of a device that holds
-    everything."""
+@pytest.mark.parametrize("first_len, shared, device_hits, host_hits, layer_major_runs", [
+    (300, 200, 0, 12, 2), (80, 80, 5, 0, 1), (300, 288, 4, 14, 1)])
+def test_a_prompt_that_shares_a_cached_prefix_starts_from_it(tiny_model_dir, first_len, shared, device_hits,
+                                                           host_hits, layer_major_runs):
+    """A second prompt that starts with the first one's tokens. A long first prompt's pool blocks stayed cached there
+    when it finished: the second takes them as its own leading KV, no copy, no recompute (12 blocks of 200 shared
+    tokens). A short first prompt's 5 blocks are cached on the device: they are copied to the pool. Sharing 288
+    tokens, the second finds the 14 blocks the first left in the pool, then 4 of the tail it kept on the device
+    (after its 6 device blocks filled, one more went to the pool), which are copied. Each time the second is
+    prefilled from there (a layer at a time, but for the last case: its 12 new tokens fit on the device and attend
+    to the pool through the ring), with the tokens of a device that holds everything."""
     first = {"prompt_token_ids": PROMPT["prompt_token_ids"][:first_len]}
-    shared = min(first_len, 200)
     second = {"prompt_token_ids": PROMPT["prompt_token_ids"][:shared] + [(11 * j) % 500 + 3 for j in range(300 - shared)]}
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     kw = dict(device=DEVICE, dtype="float32", max_model_len=512, block_size=16, max_num_batched_tokens=64,
@@ -75,7 +78,7 @@ def test_a_prompt_that_shares_a_cached_prefix_starts_from_it(tiny_model_dir, fir
     bm = llm.llm_engine.block_manager
     assert runs["offloaded"][1].num_cached_tokens == 16 * (device_hits + host_hits)
     assert (bm.num_cache_hit_blocks - bm.num_host_hit_blocks, bm.num_host_hit_blocks) == (device_hits, host_hits)
-    assert llm.llm_engine.model_runner.layer_major.runs == (2 if first_len == 300 else 1)
+    assert llm.llm_engine.model_runner.layer_major.runs == layer_major_runs
     assert_no_leaks(llm)
 
 

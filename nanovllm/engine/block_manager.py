@@ -29,13 +29,15 @@ def hash_block(parent_hash: int | None, token_ids) -> int:
 
 @dataclass
 class PrefixHit:
-    """The cached blocks that start a sequence: on the device (block ids), then in the host pool (block hashes)."""
+    """The cached blocks that start a sequence: on the device (block ids), then in the host pool (block hashes), then,
+    for a prompt whose whole prefix goes to the pool (place_prefill_in_pool), on the device again."""
     device_blocks: list[int] = field(default_factory=list)
     host_hashes: list[int] = field(default_factory=list)
+    device_after: list[int] = field(default_factory=list)
 
     @property
     def num_blocks(self) -> int:
-        return len(self.device_blocks) + len(self.host_hashes)
+        return len(self.device_blocks) + len(self.host_hashes) + len(self.device_after)
 
 
 class BlockManager:
@@ -74,8 +76,9 @@ class BlockManager:
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
         return seq.block_hashes
 
-    def find_cached_blocks(self, seq: Sequence) -> PrefixHit:
-        """The longest run of cached blocks at the start of seq (on the device, then in the host pool), leaving at
+    def find_cached_blocks(self, seq: Sequence, device_after_host: bool = False) -> PrefixHit:
+        """The longest run of cached blocks at the start of seq (on the device, then in the host pool, then with
+        device_after_host on the device again: a long sequence's blocks, its tail kept on the device), leaving at
         least its last token to compute (that token's logits are needed)."""
         hit = PrefixHit()
         if not self.enable_prefix_caching or seq.wants_prompt_logprobs:
@@ -85,9 +88,12 @@ class BlockManager:
         for i, h in enumerate(self._full_block_hashes(seq)[:max_blocks]):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             block_id = self.cached.get(h)
-            if not hit.host_hashes and block_id is not None and self.blocks[block_id].token_ids == tokens:
+            on_device = block_id is not None and self.blocks[block_id].token_ids == tokens
+            if on_device and not hit.host_hashes:
                 hit.device_blocks.append(block_id)
-            elif self.host_pool is not None and self.host_pool.find_prefix(h, tokens):
+            elif on_device and device_after_host:
+                hit.device_after.append(block_id)
+            elif not hit.device_after and self.host_pool is not None and self.host_pool.find_prefix(h, tokens):
                 hit.host_hashes.append(h)
             else:
                 break
@@ -164,35 +170,42 @@ class BlockManager:
         ending mid-block or in blocks other sequences share, or the pool too full."""
         bs, hit = self.block_size, hit or PrefixHit()
         resident = seq.block_table[len(seq.host_blocks):]  # computed blocks still on the device: they move
+        device_hits = hit.device_blocks + hit.device_after
         computed = seq.num_computed_tokens + hit.num_blocks * bs
         if self.host_pool is None or seq.num_computed_tokens % bs or (hit.num_blocks and seq.block_table) or \
                 len(seq.block_table) != seq.num_computed_tokens // bs or \
-                any(self.blocks[b].ref_count != 1 for b in resident) or \
-                any(self.blocks[b].ref_count for b in hit.device_blocks):
+                any(self.blocks[b].ref_count != 1 for b in resident) or any(self.blocks[b].ref_count for b in device_hits):
             return False
         new_blocks = -(-seq.num_tokens // bs) - computed // bs
         on_device = min(self.num_free_blocks + len(resident), new_blocks)
-        moved = len(resident) + len(hit.device_blocks)
+        moved = len(resident) + len(device_hits)
         if on_device < 1 or moved + new_blocks - on_device > self.host_pool.num_free_blocks - len(hit.host_hashes):
             return False
         held = self.host_pool.checkout(hit.host_hashes)  # first: the copies below must not evict them
-        for block_id in hit.device_blocks:  # taken as allocate_slots takes a hit, then moved with the rest
-            del self.free_queue[block_id]
-            self.blocks[block_id].ref_count = 1
-        seq.block_table += hit.device_blocks
-        seq.num_computed_tokens += len(hit.device_blocks) * bs
-        assert self.offload(seq, moved) == moved
+        self._move_hit_to_pool(seq, hit.device_blocks, len(resident))
         seq.host_blocks += self.host_pool.adopt(held)
+        seq.block_table += [-1] * len(held)
+        seq.num_computed_tokens += len(held) * bs
+        self._move_hit_to_pool(seq, hit.device_after)
         pool_blocks = self.host_pool.take(new_blocks - on_device)
         seq.host_blocks += pool_blocks
-        seq.block_table += [-1] * (len(held) + len(pool_blocks))
-        seq.block_table += [self._take_free_block() for _ in range(on_device)]
+        seq.block_table += [-1] * len(pool_blocks) + [self._take_free_block() for _ in range(on_device)]
         if hit.num_blocks:
-            seq.num_computed_tokens = seq.num_cached_tokens = computed
+            seq.num_cached_tokens = seq.num_computed_tokens
         self.num_cache_hit_blocks += hit.num_blocks
         self.num_host_hit_blocks += len(hit.host_hashes)
         self.num_offloaded_blocks += len(pool_blocks)
         return True
+
+    def _move_hit_to_pool(self, seq: Sequence, device_blocks: list[int], resident: int = 0):
+        """Cached device blocks taken as seq's next computed blocks (as allocate_slots takes a hit), then copied to the
+        pool with its `resident` device blocks before them."""
+        for block_id in device_blocks:
+            del self.free_queue[block_id]
+            self.blocks[block_id].ref_count = 1
+        seq.block_table += device_blocks
+        seq.num_computed_tokens += len(device_blocks) * self.block_size
+        assert self.offload(seq, resident + len(device_blocks)) == resident + len(device_blocks)
 
     def free(self, seq: Sequence):
         """Drop seq's references; its tail blocks become the first to be evicted. Its pool blocks that hold full,

@@ -133,7 +133,7 @@ class Scheduler:
             return False
         if -(-seq.num_tokens // bm.block_size) - len(seq.block_table) <= bm.num_free_blocks:
             return False  # it fits: the usual chunks
-        if not bm.place_prefill_in_pool(seq, None if seq.block_table else bm.find_cached_blocks(seq)):
+        if not bm.place_prefill_in_pool(seq, None if seq.block_table else bm.find_cached_blocks(seq, True)):
             return False
         seq.num_scheduled_tokens = seq.num_tokens - seq.num_computed_tokens
         return True
