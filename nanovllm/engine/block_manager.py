@@ -110,12 +110,7 @@ class BlockManager:
         revived = sum(1 for b in hit.device_blocks if self.blocks[b].ref_count == 0)
         if num_new_blocks + revived > len(self.free_queue):
             return False
-        for block_id in hit.device_blocks:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_queue[block_id]
-            block.ref_count += 1
-            seq.block_table.append(block_id)
+        self._take_cached(seq, hit.device_blocks)
         # the host hits leave the pool's eviction order while device blocks are taken: evicting those stores
         # their KV in the pool, which must not push the hits out
         held = self.host_pool.checkout(hit.host_hashes) if hit.host_hashes else []
@@ -197,13 +192,19 @@ class BlockManager:
         self.num_offloaded_blocks += len(pool_blocks)
         return True
 
+    def _take_cached(self, seq: Sequence, block_ids: list[int]):
+        """Cached device blocks (a prefix hit) appended to seq's block table, referenced once more."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+
     def _move_hit_to_pool(self, seq: Sequence, device_blocks: list[int], resident: int = 0):
-        """Cached device blocks taken as seq's next computed blocks (as allocate_slots takes a hit), then copied to the
-        pool with its `resident` device blocks before them."""
-        for block_id in device_blocks:
-            del self.free_queue[block_id]
-            self.blocks[block_id].ref_count = 1
-        seq.block_table += device_blocks
+        """Cached device blocks taken as seq's next computed blocks, then copied to the pool with its `resident` device
+        blocks before them."""
+        self._take_cached(seq, device_blocks)
         seq.num_computed_tokens += len(device_blocks) * self.block_size
         assert self.offload(seq, resident + len(device_blocks)) == resident + len(device_blocks)
 

@@ -8,6 +8,8 @@ of it loaded once), every chunk of the prompt attends causally to it, and the ne
 and to the device blocks of the tail that stays on the GPU. Two staging buffers alternate by layer, so a layer's
 copies run on a transfer stream while the next layer computes. Only a prompt that runs alone takes this path
 (engine/scheduler.py); its hidden states for every token stay on the GPU between layers."""
+import contextlib
+
 import torch
 
 from nanovllm.attention.merge import attention_with_lse
@@ -94,28 +96,26 @@ class LayerMajorPrefill:
     def _load(self, layer: int, prefix: list[int]):
         """The layer's context already in the pool into its staging buffer (queued after that buffer's last
         stores)."""
-        buffer = self.staging[layer % 2]
-        if self.stream is None:
-            copy_blocks(self.pool[:, layer:layer + 1], buffer, prefix, list(range(len(prefix))))
-            return
-        with torch.cuda.stream(self.stream):
-            copy_blocks(self.pool[:, layer:layer + 1], buffer, prefix, list(range(len(prefix))))
-            self.loaded[layer % 2].record(self.stream)
+        with self._transfers():
+            copy_blocks(self.pool[:, layer:layer + 1], self.staging[layer % 2], prefix, list(range(len(prefix))))
+            if self.stream is not None:
+                self.loaded[layer % 2].record(self.stream)
 
     def _store(self, layer: int, first: int, pool_blocks: list[int], device_blocks: list[int]):
         """The layer's new KV (staging blocks first..) to its pool blocks, then to the device blocks of the tail."""
         buffer = self.staging[layer % 2]
         split = first + len(pool_blocks)
         to_pool, to_device = list(range(first, split)), list(range(split, split + len(device_blocks)))
-        if self.stream is None:
+        if self.stream is not None:
+            self.computed[layer % 2].record()
+            self.stream.wait_event(self.computed[layer % 2])
+        with self._transfers():
             copy_blocks(buffer, self.pool[:, layer:layer + 1], to_pool, pool_blocks)
             copy_blocks(buffer, self.kv_cache[:, layer:layer + 1], to_device, device_blocks)
-            return
-        self.computed[layer % 2].record()
-        self.stream.wait_event(self.computed[layer % 2])
-        with torch.cuda.stream(self.stream):
-            copy_blocks(buffer, self.pool[:, layer:layer + 1], to_pool, pool_blocks)
-            copy_blocks(buffer, self.kv_cache[:, layer:layer + 1], to_device, device_blocks)
+
+    def _transfers(self):
+        """Where the staging buffers' copies are queued: the transfer stream on CUDA (in order on CPU)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
