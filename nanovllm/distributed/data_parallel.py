@@ -1,9 +1,9 @@
 """Data parallelism without Ray: LLM(model, data_parallel_size=N) keeps one engine in the caller's process and
 N-1 more in spawned processes (each on its own GPUs: with tensor_parallel_size T, replica i sees only GPUs
 i*T..i*T+T-1, and replica 0 uses the first T; on CPU each takes its share of the cores). generate() deals a call's
-requests out, longest prompts first round the replicas so that their work evens out, runs its own share while the
-others run theirs, and gives every output back in input order. A replica that fails or dies fails the call with
-its number and error."""
+requests out so that each replica gets an even share of the prompt tokens and of the output tokens (`deal`), runs its
+own share while the others run theirs, and gives every output back in input order. A replica that fails or dies
+fails the call with its number and error."""
 import contextlib
 import multiprocessing
 import os
@@ -36,6 +36,23 @@ def _replica_main(index: int, replicas: int, model: str, engine_kwargs: dict, co
     except BaseException:  # noqa: BLE001 - reported to the caller, which fails the call
         with contextlib.suppress(OSError):
             connection.send(("error", traceback.format_exc()))
+
+
+def deal(requests: list, size: int) -> list[list[int]]:
+    """The indices of the requests each replica runs: the largest first, each to the replica whose larger share of
+    the call's prompt tokens or of its max_tokens grows least. Both count: prefill steps cost by the prompt token and
+    decode steps by the output token, and a replica with more of either finishes last."""
+    prompt = [len(token_ids) for _, token_ids, _ in requests]
+    output = [params.max_tokens or 0 for _, _, params in requests]
+    prompt_total, output_total = sum(prompt) or 1, sum(output) or 1
+    work = [(p / prompt_total, o / output_total) for p, o in zip(prompt, output)]
+    loads, shares = [(0.0, 0.0)] * size, [[] for _ in range(size)]
+    for i in sorted(range(len(requests)), key=lambda i: -sum(work[i])):
+        grown = [(load[0] + work[i][0], load[1] + work[i][1]) for load in loads]
+        replica = min(range(size), key=lambda r: max(grown[r]))
+        loads[replica] = grown[replica]
+        shares[replica].append(i)
+    return shares
 
 
 class DataParallelReplicas:
@@ -79,9 +96,8 @@ class DataParallelReplicas:
 
     def run(self, requests: list, run_local) -> list[RequestOutput]:
         """requests: (text, token ids, params) each; run_local runs replica 0's share in this process."""
-        size = len(self.processes) + 1
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]))
-        shares = [order[r::size] for r in range(size)]
+        shares = deal(requests, len(self.processes) + 1)
+        size = len(shares)
         for index in range(1, size):
             self._send(index, [requests[i] for i in shares[index]])
         outputs: list[RequestOutput | None] = [None] * len(requests)
