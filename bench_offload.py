@@ -3,7 +3,7 @@
     python bench_offload.py copies   # KV blocks between the GPU cache and a pinned host pool
     python bench_offload.py long [--model qwen3-0.6b] [--prompt-len 8192 32768] [--gpu-tokens 2048]
     python bench_offload.py weights [--model llama3-8b] [--batch-sizes 1 64] [--plot curve.png]  # streamed weights
-    python bench_offload.py batch --prompt-len 8192 --batch-sizes 16 [--kv-multiple 3]  # swap against recompute
+    python bench_offload.py batch --prompt-len 1024 --output-len 2048 --batch-sizes 16 [--kv-multiple 3]  # swap vs recompute
 
 copies: whole blocks (every layer, K and V) of a Llama-3-8B-shape KV cache (32 layers, 8 KV heads of 128, bf16) moved
 by sgDMA (comm/sgdma.py), by its torch twin (gather, one copy, scatter) and as one contiguous copy of the same bytes,
@@ -224,12 +224,31 @@ def disk_reads(streamer) -> str:
     return f"positional reads, O_DIRECT {'on' if streamer.layer_file.direct else 'off'}"
 
 
+def file_layer_bytes(model: str) -> int:
+    """The decoder layers' bytes as the file holds them (GGUF blocks kept quantized, or safetensors), for placements
+    run without the resident run that measures them."""
+    if model.endswith(".gguf"):
+        from nanovllm.weights.gguf_loader import open_gguf
+
+        return sum(int(t.n_bytes) for t in open_gguf(model).tensors if t.name.startswith("blk."))
+    from safetensors import safe_open
+
+    total = 0
+    for path in Path(model).glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                if ".layers." in name:
+                    piece = f.get_slice(name)
+                    total += math.prod(piece.get_shape()) * {"BF16": 2, "F16": 2, "F32": 4}[piece.get_dtype()]
+    return total
+
+
 def weights_rows(args, model: str, layers_bytes: int | None, bw: float, resident: dict, host: float,
                  disk: float) -> tuple:
     """The placement's rows (and curve points), and the decoder layers' bytes (measured here on a resident run)."""
     gib = (layers_bytes or 0) / (1 << 30)
     utilization = 0.5 if args.vram_gb is None else args.vram_gb * (1 << 30) / torch.cuda.mem_get_info()[1]
-    llm = LLM(model, max_model_len=1024, enable_prefix_caching=False,
+    llm = LLM(model, max_model_len=1024, enable_prefix_caching=False, max_num_seqs=max(args.batch_sizes),
               gpu_memory_utilization=0.9 if host == disk == 0 else utilization,  # resident: the whole GPU
               cpu_offload_gb=host * gib, disk_offload_gb=disk * gib)
     streamer, rows, curve = llm.llm_engine.model_runner.streamer, [], []
@@ -244,9 +263,11 @@ def weights_rows(args, model: str, layers_bytes: int | None, bw: float, resident
                                                                if disk_bytes else "")
     for batch in args.batch_sizes:
         tps = decode_tok_s(llm, batch, min(args.output_len, 8) if disk_bytes else args.output_len)  # disk: seconds a step
-        resident.setdefault(batch, tps)
+        if not host and not disk:
+            resident[batch] = tps
         bound = f"{batch / step_bound:,.1f} tok/s ({tps * step_bound / batch:.0%})" if step_bound else ""
-        rows.append(f"| {where} | {batch} | {tps:,.1f} | {tps / resident[batch]:.2f}x | {bound} |")
+        versus = f"{tps / resident[batch]:.2f}x" if batch in resident else "not run"
+        rows.append(f"| {where} | {batch} | {tps:,.1f} | {versus} | {bound} |")
         curve.append((batch, tps, batch / step_bound if step_bound else None))
     del llm, streamer
     free_gpu_memory()
@@ -256,9 +277,10 @@ def weights_rows(args, model: str, layers_bytes: int | None, bw: float, resident
 def bench_weights(args):
     model = resolve_model(args.model, torch.bfloat16, os.environ.get("NANOVLLM_TOKENIZER_GGUF"))
     bw = pinned_h2d_bandwidth()
-    if args.placements[0] != (0, 0):
-        raise SystemExit("weights mode: the first placement is the resident run (0:0), the others' reference")
-    rows, resident, curves, layers_bytes = [], {}, {}, None
+    if (0, 0) in args.placements[1:]:
+        raise SystemExit("weights mode: the resident run (0:0), the others' reference, comes first")
+    rows, resident, curves = [], {}, {}
+    layers_bytes = None if args.placements[0] == (0, 0) else file_layer_bytes(model)
     for host, disk in args.placements:
         placement_rows, label, curve, layers_bytes = weights_rows(args, model, layers_bytes, bw, resident, host, disk)
         rows += placement_rows

@@ -1,5 +1,6 @@
 """Random-weight GGUF files in every block type load as models: each weight matrix has mean 0 and the std asked
-for, and an engine generates from them. The tokenizer comes from the bundled model (slow: it may be fetched)."""
+for (bytes drawn on the GPU where there is one), and an engine generates from them. The tokenizer comes from the
+bundled model (slow: it may be fetched)."""
 import numpy as np
 import pytest
 import torch
