@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.attention.merge import attention_with_lse, merge_parts
-from nanovllm.kvcache.offload_engine import OffloadEngine
+from nanovllm.kvcache.offload_engine import OffloadEngine, slot_splits, split_lengths
 
 LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM = 3, 24, 4, 2, 4, 16  # the compiled dot needs 16
 SCALE = HEAD_DIM ** -0.5
@@ -81,6 +81,34 @@ def test_a_prompt_chunk_attends_to_each_slot_by_fused_attention(dtype, tol):
         want_out, want_lse = attention_with_lse(q.cpu(), *gathered(host, layer, blocks, length), SCALE)
         torch.testing.assert_close(out.cpu(), want_out, rtol=tol, atol=tol)
         torch.testing.assert_close(lse.cpu(), want_lse, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("capacity", [16, 500, 3000, 32768, 65536])
+def test_the_warm_up_lengths_take_every_split_count_a_slot_can(capacity):
+    assert {slot_splits(t) for t in split_lengths(capacity)} == {slot_splits(t) for t in range(1, capacity + 1)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_after_the_warm_up_no_slot_length_compiles_a_kernel():
+    from nanovllm.kernels import paged_attention
+
+    caches = getattr(paged_attention._decode_split_kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+    blocks = 5000  # one slot of 20,000 tokens: every split count
+    host = torch.randn(2, 1, blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM).pin_memory()
+    engine = OffloadEngine(host, 2, blocks, torch.device("cuda"), fast=True)
+    engine.warm_up(HEADS)
+    if not all(isinstance(cache, tuple) and isinstance(cache[0], dict) for cache in caches.values()):
+        pytest.skip("this Triton keeps its compiled kernels in another form")
+    compiled = sum(len(cache[0]) for cache in caches.values())
+    for length in (700, 1500, 3000, 6000, 12000, 20000):
+        q = query(1).cuda()
+        out, _ = engine.attend(0, q, list(range(-(-length // BLOCK_SIZE))), length, SCALE)
+        want, _ = attention_with_lse(q.cpu(), *gathered(host, 0, list(range(-(-length // BLOCK_SIZE))), length), SCALE)
+        torch.testing.assert_close(out.cpu(), want, rtol=1e-4, atol=1e-4)
+    assert sum(len(cache[0]) for cache in caches.values()) == compiled
 
 
 def test_bad_ring_or_lengths_name_the_problem():

@@ -427,6 +427,7 @@ class ModelRunner:
         host_pool = HostKVPool(self.kv_cache, num_blocks, 2 * c.num_hidden_layers * layer_params)
         engine = OffloadEngine(host_pool.pool, OFFLOAD_SLOTS, slot_blocks(host_pool.pool),
                                self.device, fast=self.fast_kernels)
+        engine.warm_up(attn.num_heads)
         for i, attn in enumerate(self.attention_layers):
             attn.layer_index, attn.offload_engine = i, engine
         if self.streamer is None:  # (streamed weights would be fetched again for every chunk of a layer)

@@ -33,6 +33,17 @@ PAGED_DECODE_ROWS = 8  # a sequence's rows that attend to a slot by the paged de
 # torch's fused attention, whose query tiles share each key tile (the decode kernel reads the slot once a row)
 
 
+def slot_splits(tokens: int) -> int:
+    """Splits of a slot's keys in the paged decode: a slot is a long context for a few rows, so more splits keep the
+    SMs busy."""
+    return min(32, max(2, 1 << (tokens // 1024).bit_length()))
+
+
+def split_lengths(capacity: int) -> list[int]:
+    """A slot length for each split count that slots of up to `capacity` tokens take."""
+    return sorted({min(capacity, 1024 << i) for i in range(5)})
+
+
 def slot_blocks(pool: torch.Tensor) -> int:
     """Blocks of one layer (K and V) that fill OFFLOAD_SLOT_BYTES, or the whole pool where it is smaller."""
     return max(1, min(pool.shape[2], OFFLOAD_SLOT_BYTES // (pool[:, 0, 0].numel() * pool.element_size())))
@@ -128,10 +139,20 @@ class OffloadEngine:
 
         if (rows, tokens) not in self.slot_lens:
             self.slot_lens[rows, tokens] = torch.full((rows,), tokens, dtype=torch.int32, device=q.device)
-        # a slot is a long context for a few rows: more splits keep the SMs busy
-        splits = min(32, max(2, 1 << (tokens // 1024).bit_length()))
         paged_decode(q, k_slot, v_slot, self.slot_tables.expand(rows, -1), self.slot_lens[rows, tokens], scale,
-                     splits, out=out, lse=lse)
+                     slot_splits(tokens), out=out, lse=lse)
+
+    def warm_up(self, num_heads: int):
+        """Compile the paged decode over a slot for every split count now: Triton compiles each on first use, and
+        the first long decode would pay ~1 s for it (a 32K decode measured 81% of its bound in a run that did)."""
+        if not self.fast or self.streams is None:
+            return
+        q = torch.zeros((1, num_heads, self.slots.shape[-1]), dtype=self.slots.dtype, device=self.slots.device)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty((1, num_heads), dtype=torch.float32, device=q.device)
+        for tokens in split_lengths(self.slot_blocks * self.block_size):
+            self._attend_slot(q, 0, -(-tokens // self.block_size), tokens, 1.0, out, lse)
+        self.slot_lens = {}
 
     def _resident_tables(self, meta: AttentionMetadata, first: int, last: int, device):
         """Block tables and context lengths of sequences first..last-1 past their offloaded blocks. The positions
