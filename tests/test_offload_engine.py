@@ -40,6 +40,30 @@ def test_merged_parts_are_the_whole(split):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("parts", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_merge_is_the_torch_one(device, parts, dtype):
+    """merge_parts_fused (one Triton kernel; the interpreter on CPU) against merge_parts, into rows of a wider
+    tensor (a step's output, strided) in the model's dtype."""
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("the Triton kernels run on host tensors only in the interpreter (CI)")
+    from nanovllm.kernels.merge_attention import merge_parts_fused
+
+    g = torch.Generator().manual_seed(parts)
+    outs = torch.randn(parts, 3, HEADS, HEAD_DIM, generator=g).to(device)
+    lses = (4 * torch.randn(parts, 3, HEADS, generator=g)).to(device)
+    want_out, want_lse = merge_parts(outs, lses)
+    wide = torch.zeros(5, HEADS, HEAD_DIM, dtype=dtype, device=device)
+    lse = torch.empty(3, HEADS, device=device)
+    merge_parts_fused(outs, lses, wide[1:4], lse)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(wide[1:4].float().cpu(), want_out.cpu(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.cpu(), want_lse.cpu(), rtol=1e-5, atol=1e-5)
+    assert not wide[0].any() and not wide[4].any()  # no row outside the slice written
+
+
 def gathered(pool_: torch.Tensor, layer: int, blocks: list[int], length: int):
     return [pool_[kv, layer, blocks].flatten(0, 1)[:length] for kv in (0, 1)]
 

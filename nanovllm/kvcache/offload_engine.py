@@ -99,10 +99,11 @@ class OffloadEngine:
             self.in_ring.append((slot, layer, blocks))
 
     def attend(self, layer: int, q: torch.Tensor, blocks: list[int], length: int, scale: float,
-               resident: tuple[torch.Tensor, torch.Tensor] | None = None):
+               resident: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None):
         """q [Lq, H, D] against the first `length` tokens held in pool blocks `blocks` of this layer, every token
-        visible to every query -> (out [Lq, H, D], lse [Lq, H]) in fp32, merged with `resident` (the same rows'
-        (out, lse) over their GPU-resident keys) where given. Parts not planned are loaded now."""
+        visible to every query -> (out [Lq, H, D], lse [Lq, H]), merged with `resident` (the same rows' (out, lse)
+        over their GPU-resident keys) where given. The output goes into `out` (any float dtype) where given, else
+        into a new fp32 tensor; lse is fp32. Parts not planned are loaded now."""
         if length <= 0 or -(-length // self.block_size) != len(blocks):
             raise ValueError(f"{length} tokens are not held by {len(blocks)} blocks of {self.block_size}")
         parts = self.parts(blocks)
@@ -123,7 +124,14 @@ class OffloadEngine:
             self._fill()
         if resident is not None:
             outs[-1], lses[-1] = resident
-        return merge_parts(outs, lses)
+        if self.fast:  # one kernel instead of the twin's ~10 eager ops a layer
+            from nanovllm.kernels.merge_attention import merge_parts_fused
+
+            out = torch.empty(q.shape, dtype=torch.float32, device=q.device) if out is None else out
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            return merge_parts_fused(outs, lses, out, lse), lse
+        merged, lse = merge_parts(outs, lses)
+        return (merged if out is None else out.copy_(merged)), lse
 
     def _attend_slot(self, q: torch.Tensor, slot: int, num_blocks: int, tokens: int, scale: float,
                      out: torch.Tensor, lse: torch.Tensor):
@@ -188,14 +196,14 @@ class OffloadEngine:
 
         nd, starts = meta.num_decodes, meta.query_start_loc_cpu
         decodes, prefills = self._resident_inputs(meta, q.shape[1] // k_cache.shape[2], q.device)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # the kernels store in out's dtype
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         if decodes is not None:
             paged_decode(q[:nd], k_cache, v_cache, *decodes, scale, 8, out=out[:nd], lse=lse[:nd])
         if prefills is not None:
             rows = slice(starts[nd], starts[meta.num_seqs])
             paged_prefill(q[rows], k_cache, v_cache, *prefills, scale, out=out[rows], lse=lse[rows])
-        return out.float(), lse
+        return out, lse
 
     def forward(self, layer: int, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """A layer's attention for a step where meta.offloaded names host blocks: the new K/V stored, then each
@@ -222,6 +230,7 @@ class OffloadEngine:
                 key_pos = torch.arange(host_tokens, seq_len, device=q.device)
                 part = attention_with_lse(q[s:e], keys, values, scale, key_pos[None, :] <= query_pos[:, None])
             if host_blocks:
-                part = self.attend(layer, q[s:e], host_blocks, host_tokens, scale, resident=part)
-            out[s:e] = part[0].to(out.dtype)
+                self.attend(layer, q[s:e], host_blocks, host_tokens, scale, resident=part, out=out[s:e])
+            else:
+                out[s:e] = part[0]
         return out
