@@ -214,7 +214,12 @@ class OffloadEngine:
         if layer == 0:  # the step's every offloaded part, layer by layer, in the order attend() reads them
             self.plan([(i, part) for i in range(self.pool.shape[1]) for blocks in meta.offloaded if blocks
                        for part in self.parts(blocks)])
-        store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
+        if self.fast:
+            from nanovllm.kernels.kv_store import store_kv
+
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
         resident = self._attend_resident(q, k_cache, v_cache, meta, scale) if self.fast else None
