@@ -191,16 +191,19 @@ def test_paged_decode_gives_the_log_sum_exp():
         torch.testing.assert_close(lse[row:row + 1].cpu(), want_lse, rtol=1e-4, atol=1e-4)
 
 
-def test_the_fast_step_attends_as_the_torch_one():
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), pytest.param(torch.bfloat16, 2e-2, marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter truncates bf16")])])
+def test_the_fast_step_attends_as_the_torch_one(dtype, tol):
     """A step of two decodes (one with offloaded blocks) and a prompt chunk with offloaded blocks: the Triton path
-    (paged decode with log-sum-exp over resident blocks and slots) against plain torch."""
+    (paged decode with log-sum-exp over resident blocks and slots, the fused merge) against plain torch."""
     pytest.importorskip("triton")
     from nanovllm.attention.metadata import AttentionMetadata
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    host = pool(device)
+    host = pool(device).to(dtype)
+    host = host.pin_memory() if device == "cuda" else host
     g = torch.Generator().manual_seed(5)
-    kv_cache = torch.randn(2, LAYERS, 16, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=g).to(device)
+    kv_cache = torch.randn(2, LAYERS, 16, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=g).to(device, dtype)
     # seq 0: 2 host blocks + device blocks 4, 9 (14 tokens); seq 1: no host blocks, device 1, 2 (6); seq 2: 1 host
     # block + device 3, 5, 6 and a chunk of 5 new tokens at positions 11..15 (16 tokens)
     offloaded = [[3, 8], [], [11]]
@@ -213,8 +216,8 @@ def test_the_fast_step_attends_as_the_torch_one():
         slot_mapping=torch.tensor(slots, device=device), query_start_loc=torch.tensor(starts, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), block_tables=tables, num_decodes=2,
         max_query_len=5, max_seq_len=16, query_start_loc_cpu=starts, seq_lens_cpu=seq_lens, offloaded=offloaded)
-    q = torch.randn(7, HEADS, HEAD_DIM, generator=g).to(device)
-    k, v = (torch.randn(7, KV_HEADS, HEAD_DIM, generator=g).to(device) for _ in range(2))
+    q = torch.randn(7, HEADS, HEAD_DIM, generator=g).to(device, dtype)
+    k, v = (torch.randn(7, KV_HEADS, HEAD_DIM, generator=g).to(device, dtype) for _ in range(2))
     outs = []
     for fast in (False, True):
         engine = OffloadEngine(host, 2, 1, torch.device(device), fast=fast)
@@ -222,4 +225,5 @@ def test_the_fast_step_attends_as_the_torch_one():
         outs.append([engine.forward(layer, q, k, v, cache[0, layer], cache[1, layer], meta, SCALE)
                      for layer in range(LAYERS)])
     for want, got in zip(*outs):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert got.dtype == want.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
