@@ -184,8 +184,8 @@ def bench_throughput(args, model, dtype, vocab):
 
 def bench_decode1(args, model, dtype):
     """One sequence, 512 prompt tokens, 256 new tokens: tok/s against weights + KV bytes / HBM bandwidth."""
-    llm = make_llm(args, model, dtype, enforce_eager=args.enforce_eager,
-                   enable_prefix_caching=False)  # every run below does the same full prefill
+    llm = make_llm(args, model, dtype, enforce_eager=args.enforce_eager, enable_prefix_caching=False,  # every run
+                   max_num_batched_tokens=args.max_num_batched_tokens)  # below does the same full prefill
     prompt = [random.Random(0).randint(100, 20000) for _ in range(512)]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=256, detokenize=False)
     for max_tokens in (8, 1):  # warm-up: every kernel the timed runs use is compiled here
@@ -294,7 +294,8 @@ def main():
     ap.add_argument("--output-len", type=int, nargs=2, default=[100, 1024])
     ap.add_argument("--max-model-len", type=int, default=None, help="default: the model's own")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's (256)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="throughput mode; default: the engine's")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="throughput and decode1 modes (decode1: "
+                    "fewer prefill graphs to capture; at least its 512-token prompt); default: the engine's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="timed runs on one engine: throughput mode (the prefix "
                     "cache reset before each; the median run is the last row) and decode1 (the median is reported)")
