@@ -1,6 +1,6 @@
 """Attention over a context in parts (KV blocks streamed from host memory slot by slot, kvcache/offload_engine.py):
 each part gives its output and the log-sum-exp of its scores, and the parts merge exactly into the attention over the
-whole context. Plain torch, fp32: the twin of fused kernels to come."""
+whole context. Plain torch, fp32: merge_parts is the twin of kernels/merge_attention.py."""
 import torch
 
 SCORES_BYTES = 256 << 20  # the fp32 scores of one chunk of queries: long contexts go a few hundred queries at a time

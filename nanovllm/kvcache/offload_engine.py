@@ -13,8 +13,8 @@ blocks to the pool when the GPU runs out, engine/block_manager.offload): per seq
 device cache and its offloaded ones through the ring, merged. It runs eagerly. With `fast` (the Triton kernels on
 CUDA) the rows attend to their resident blocks by the paged decode (decode rows) and the causal paged prefill (prompt
 chunks), and to each slot by the paged decode (decode rows) or torch's flash attention (prompt chunks), each
-giving its log-sum-exp; a sequence's parts merge once a layer. Without it, plain torch (attention/merge.py, the
-twin)."""
+giving its log-sum-exp; a sequence's parts merge once a layer in one kernel (kernels/merge_attention.py), and the
+new K/V are stored by the Triton store. Without it, plain torch (attention/merge.py, the twin)."""
 from collections import deque
 
 import torch
