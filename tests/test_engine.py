@@ -164,6 +164,20 @@ def test_async_scheduling_changes_nothing(tiny_model_dir):
     assert [[c[:3] for c in o] for o in results[True, 14]] == [[c[:3] for c in o] for o in results[True, 1000]]
 
 
+@pytest.mark.parametrize("max_tokens", [1, 3])
+def test_no_step_is_launched_ahead_past_the_last_token(tiny_model_dir, max_tokens):
+    """A step launched ahead for sequences whose last token the step before samples would be thrown away (a whole
+    offloaded decode step at a long context): one step a token, the prefill's included."""
+    llm = LLM(tiny_model_dir("tiny-llama"), max_model_len=128, device="cpu", kv_cache_memory_bytes=16 << 20)
+    launch = llm.llm_engine.model_runner.launch
+    launched = []
+    llm.llm_engine.model_runner.launch = lambda *a, **k: launched.append(1) or launch(*a, **k)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == max_tokens and len(launched) == max_tokens
+    assert max_tokens == 1 or llm.llm_engine.num_steps_ahead > 0  # still pipelined before the end
+
+
 def _assert_same_completions(a, b):
     assert [[c[:4] for c in o] for o in a] == [[c[:4] for c in o] for o in b]
     for x, y in zip(a, b):

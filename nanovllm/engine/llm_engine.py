@@ -181,6 +181,8 @@ class LLMEngine:
                 return None
             if i in row_of:
                 token_row[id(seq)] = row_of[i]
+        if all(id(seq) in token_row and self._at_length(seq, 1) for seq in live):
+            return None  # this step's tokens end every live sequence: a step ahead would be thrown away
         seqs = self.scheduler.schedule_ahead(live, [id(seq) in token_row for seq in live])
         if seqs is None:
             return None
@@ -210,11 +212,16 @@ class LLMEngine:
             seq.text += delta
             if past_min and delta and self._check_stop_strings(seq, len(delta)):
                 return
-        max_tokens = params.max_tokens or self.model_config.max_model_len
-        if seq.num_output_tokens >= max_tokens or seq.num_tokens >= self.model_config.max_model_len:
+        if self._at_length(seq):
             if detok is not None:
                 seq.text += detok.flush()
             self.scheduler.finish(seq, "length")
+
+    def _at_length(self, seq: Sequence, pending: int = 0) -> bool:
+        """Whether seq is at its length limit (max_tokens, or max_model_len) once `pending` more tokens are in."""
+        max_tokens = seq.params.max_tokens or self.model_config.max_model_len
+        return (seq.num_output_tokens + pending >= max_tokens
+                or seq.num_tokens + pending >= self.model_config.max_model_len)
 
     def _check_stop_strings(self, seq: Sequence, delta_len: int) -> bool:
         for stop in seq.params.stop_strings:
