@@ -284,7 +284,8 @@ def bench_weights(args):
     for host, disk in args.placements:
         placement_rows, label, curve, layers_bytes = weights_rows(args, model, layers_bytes, bw, resident, host, disk)
         rows += placement_rows
-        print(*placement_rows, sep="\n", file=sys.stderr, flush=True)  # each placement's rows as it ends (long runs)
+        for row in placement_rows:  # as each placement ends: a run cut short keeps them (the table comes last)
+            print(f"measured: {row}", file=sys.stderr, flush=True)
         curves[label] = ([c[0] for c in curve], [c[1] for c in curve], "o-")
         if curve[0][2]:
             curves[f"{label}: bound"] = ([c[0] for c in curve], [c[2] for c in curve], "--")
