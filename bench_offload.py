@@ -195,11 +195,20 @@ def bench_batch(args):
               f"{copied / 1e9:.1f} GB | {f'{link:.2f} s, {link / seconds:.0%}' if copied else ''} |")
 
 
-def decode_tok_s(llm: LLM, batch: int, output_len: int) -> float:
-    """Output tok/s of `batch` 128-token prompts decoding output_len tokens, the prefill's time taken out."""
+def decode_tok_s(llm: LLM, batch: int, output_len: int) -> tuple[float, float]:
+    """Output tok/s of `batch` 128-token prompts decoding output_len tokens, the prefill's time taken out, and the
+    sequences a decode step carried on average (fewer than `batch` where the KV cache holds fewer at a time)."""
     prompts = [[random.Random(i).randint(100, 500) for _ in range(128)] for i in range(batch)]
     generate_seconds(llm, prompts, 2)  # warm-up
-    return batch * (output_len - 1) / (generate_seconds(llm, prompts, output_len) - generate_seconds(llm, prompts, 1))
+    passes = [0]  # forward passes over the decoder layers, one a step
+    hook = llm.llm_engine.model_runner.model.model.layers[0].register_forward_pre_hook(
+        lambda *_: passes.__setitem__(0, passes[0] + 1))
+    whole = generate_seconds(llm, prompts, output_len)
+    whole_passes = passes[0]
+    prefill = generate_seconds(llm, prompts, 1)
+    hook.remove()
+    decode_steps = whole_passes - (passes[0] - whole_passes)
+    return batch * (output_len - 1) / (whole - prefill), batch * (output_len - 1) / decode_steps
 
 
 def disk_bandwidth(streamer) -> float:
@@ -262,13 +271,13 @@ def weights_rows(args, model: str, layers_bytes: int | None, bw: float, resident
                                                                f"{disk_bw / 1e9:.2f} GB/s, {disk_reads(streamer)})"
                                                                if disk_bytes else "")
     for batch in args.batch_sizes:
-        tps = decode_tok_s(llm, batch, min(args.output_len, 8) if disk_bytes else args.output_len)  # disk: seconds a step
+        tps, per_step = decode_tok_s(llm, batch, min(args.output_len, 8) if disk_bytes else args.output_len)  # disk: slow
         if not host and not disk:
             resident[batch] = tps
-        bound = f"{batch / step_bound:,.1f} tok/s ({tps * step_bound / batch:.0%})" if step_bound else ""
+        bound = f"{per_step / step_bound:,.1f} tok/s ({tps * step_bound / per_step:.0%})" if step_bound else ""
         versus = f"{tps / resident[batch]:.2f}x" if batch in resident else "not run"
-        rows.append(f"| {where} | {batch} | {tps:,.1f} | {versus} | {bound} |")
-        curve.append((batch, tps, batch / step_bound if step_bound else None))
+        rows.append(f"| {where} | {batch} | {per_step:.0f} | {tps:,.1f} | {versus} | {bound} |")
+        curve.append((batch, tps, per_step / step_bound if step_bound else None))
     del llm, streamer
     free_gpu_memory()
     return rows, where.split(" (")[0] if host or disk else "resident", curve, layers_bytes
@@ -293,8 +302,9 @@ def bench_weights(args):
           f"{args.model} ({layers_bytes / 1e9:.1f} GB of decoder layers), 128-token prompts, {args.output_len} greedy "
           f"tokens{f'; streamed runs in {args.vram_gb:g} GiB of GPU memory' if args.vram_gb else ''}; pinned H2D "
           f"{bw / 1e9:.1f} GB/s |\n")
-    print("| decoder weights streamed from | batch | decode tok/s | vs resident | bound (streamed bytes a step / each "
-          "tier's bandwidth) |\n|---|---|---|---|---|")
+    print("| decoder weights streamed from | batch | sequences a decode step (the KV cache's limit) | decode tok/s | "
+          "vs resident | bound (sequences a step / a step's streamed bytes over each tier's bandwidth) |\n"
+          "|---|---|---|---|---|---|")
     print("\n".join(rows))
     if args.plot:
         plot_against_batch(args.plot, curves, f"{args.model}, weights streamed, {torch.cuda.get_device_name()}")

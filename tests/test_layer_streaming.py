@@ -154,6 +154,26 @@ def test_a_damaged_layer_file_is_a_clear_error(six_layers, tmp_path, monkeypatch
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
 
 
+
+class _Future:
+    def __init__(self, result):
+        self.result = result
+
+    def get(self):
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+@pytest.mark.parametrize("result", [RuntimeError("KvikIO failure: POSIX error on pread: EOF"), 4096])
+def test_a_failed_kvikio_read_is_an_os_error_naming_the_file(result):
+    """kvikio reports a read past the end as a RuntimeError (seen on the device) and a short read as a count: both
+    become the OSError that names the file, as the plain reads' do."""
+    from nanovllm.streaming.kvikio_reader import PendingRead
+
+    with pytest.raises(OSError, match=r"/x/layers.bin .*offset 8192.*cut short"):
+        PendingRead(_Future(result), 8192, 8192, "/x/layers.bin").wait()
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kvikio_reads_what_the_plain_reads_read(tmp_path):

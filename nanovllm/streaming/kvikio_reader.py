@@ -16,7 +16,7 @@ class KvikioReader:
         import kvikio.defaults
 
         kvikio.defaults.set("auto_direct_io_read", True)  # compatibility mode too reads past the page cache
-        self.file = kvikio.CuFile(path, "r")
+        self.path, self.file = path, kvikio.CuFile(path, "r")
         self.gds = not kvikio.defaults.is_compat_mode_preferred()
         log_once("weights on disk are read into GPU memory by kvikio " + (
             "through GPUDirect Storage" if self.gds else "in compatibility mode (no GPUDirect Storage here: POSIX reads "
@@ -24,19 +24,23 @@ class KvikioReader:
 
     def read(self, offset: int, nbytes: int, out: torch.Tensor) -> "PendingRead":
         """Start reading nbytes at offset into the start of out (uint8, on the GPU)."""
-        return PendingRead(self.file.pread(out, nbytes, offset), nbytes, offset)
+        return PendingRead(self.file.pread(out, nbytes, offset), nbytes, offset, self.path)
 
 
 class PendingRead:
 
-    def __init__(self, future, nbytes: int, offset: int):
-        self.future, self.nbytes, self.offset = future, nbytes, offset
+    def __init__(self, future, nbytes: int, offset: int, path: str):
+        self.future, self.nbytes, self.offset, self.path = future, nbytes, offset, path
 
     def wait(self):
-        got = self.future.get()
+        try:
+            got = self.future.get()
+        except RuntimeError as error:  # kvikio's POSIX errors, a read past the end ("EOF") among them
+            raise OSError(f"reading streamed weights from {self.path} by kvikio failed at offset {self.offset} "
+                          f"({error}); the file was cut short or damaged while the engine ran") from error
         if got != self.nbytes:
-            raise OSError(f"short read of streamed weights by kvikio: {got} of {self.nbytes} bytes at offset "
-                          f"{self.offset}; the file was cut short while the engine ran")
+            raise OSError(f"short read of streamed weights from {self.path} by kvikio: {got} of {self.nbytes} bytes "
+                          f"at offset {self.offset}; the file was cut short while the engine ran")
 
 
 def open_kvikio(path: str) -> KvikioReader | None:

@@ -20,11 +20,14 @@ _SCALES = ("d",)
 _MINS = ("m", "dmin")  # gguf_formats.F16_FIELDS, the scale apart from the offsets
 
 
-def _set_f16(blocks: np.ndarray, fmt, fields, value: float):
+def _set_f16(blocks: np.ndarray | torch.Tensor, fmt, fields, value: float):
+    value_bytes = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+    if isinstance(blocks, torch.Tensor):
+        value_bytes = torch.from_numpy(value_bytes.copy()).to(blocks.device)
     for name in fields:
         if name in dict(fmt.fields):
             at = fmt.offset(name)
-            blocks[:, at:at + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+            blocks[:, at:at + 2] = value_bytes
 
 
 @functools.cache
@@ -46,13 +49,13 @@ def _calibration(type_name: str) -> tuple[float, float]:
     return 1 / std, ratio / std
 
 
-def _random_bytes(shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
-    """Uniform random bytes, drawn on the GPU where there is one: numpy draws ~0.35 GB/s (CI's CPU), minutes for a
-    70B-class file (the same seed gives other bytes on a GPU than on a CPU)."""
+def _random_bytes(shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray | torch.Tensor:
+    """Uniform random bytes, drawn on the GPU where there is one (a CUDA tensor): numpy draws ~0.35 GB/s (CI's CPU)
+    and sets the scales at ~0.5 GB/s, minutes for a 70B-class file (the same seed gives other bytes on a GPU)."""
     if not torch.cuda.is_available():
         return rng.integers(0, 256, size=shape, dtype=np.uint8)
     generator = torch.Generator(device="cuda").manual_seed(int(rng.integers(1 << 62)))
-    return torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=generator).cpu().numpy()
+    return torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=generator)
 
 
 def random_blocks(type_name: str, rows: int, cols: int, std: float, rng: np.random.Generator) -> np.ndarray:
@@ -68,7 +71,7 @@ def random_blocks(type_name: str, rows: int, cols: int, std: float, rng: np.rand
     blocks = raw.reshape(-1, fmt.block_bytes)
     _set_f16(blocks, fmt, _SCALES, d * std)
     _set_f16(blocks, fmt, _MINS, minimum * std)
-    return raw
+    return raw.cpu().numpy() if isinstance(raw, torch.Tensor) else raw
 
 
 def _tensors(c: dict) -> dict[str, tuple[int, ...]]:
