@@ -19,13 +19,19 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ENGINE = dict(device=DEVICE, max_model_len=128, kv_cache_memory_bytes=64 << 20)
 
 
-def test_the_first_layers_go_to_disk_then_host_memory_until_they_hold_the_offload():
-    assert plan_placement([10, 10, 10, 10], 15).streamed == [0, 1]
-    both = plan_placement([10, 10, 10, 10, 10], 10, 15)
-    assert both.disk == [0, 1] and both.host == [2] and both.streamed == [0, 1, 2]
-    assert "| disk | 2 |" in both.table()
+def test_the_streamed_layers_are_spread_evenly_among_the_resident_ones():
+    """Evenly spaced, so the link loads each streamed layer while the resident ones before it compute."""
+    assert plan_placement([10, 10, 10, 10], 15).streamed == [0, 2]
+    assert plan_placement([10] * 32, 80).streamed == list(range(0, 32, 4))
+    both = plan_placement([10] * 80, 400, 90)  # 70B-class: 49 of 80 streamed, 9 of them from disk
+    assert len(both.disk) == 9 and len(both.host) == 40 and not set(both.disk) & set(both.host)
+    assert max(b - a for a, b in zip(both.streamed, both.streamed[1:] + [80])) == 2
+    assert max(b - a for a, b in zip(both.disk, both.disk[1:])) <= 10
+    assert "| disk | 9 |" in both.table()
     assert plan_placement([10, 10, 10, 10], 0).streamed == []
     assert plan_placement([10, 10, 10, 10], 100).streamed == [0, 1, 2, 3]
+    uneven = plan_placement([10, 20] * 8, 100, 50)  # at least each budget, whatever the layers' sizes
+    assert uneven.bytes_of(uneven.host) >= 100 and uneven.bytes_of(uneven.disk) >= 50
     table = plan_placement([1 << 30] * 4, 1 << 30).table(host_to_device_bandwidth=2 << 30)
     assert "| device | 3 | 3.00 GiB |" in table and "| host memory | 1 | 1.00 GiB |" in table
     assert "500.0 ms a step" in table
@@ -75,7 +81,7 @@ def test_a_streamed_model_generates_as_the_resident_one(six_layers, tmp_path):
     streamed = LLM(six_layers, dtype="float32", **ENGINE,
                    cpu_offload_gb=4 * layer_bytes / (1 << 30))
     streamer = streamed.llm_engine.model_runner.streamer
-    assert streamer.streamed == [0, 1, 2, 3] and streamer.num_slots == 2
+    assert streamer.streamed == [0, 1, 3, 4] and streamer.num_slots == 2  # spread among the resident 2 and 5
     assert all(buffer.is_pinned() == (DEVICE == "cuda") for buffer in streamer.host.values())
     loads = streamer.num_loads
     got = [o.outputs[0] for o in streamed.generate(prompts, params, use_tqdm=False)]
@@ -86,7 +92,7 @@ def test_a_streamed_model_generates_as_the_resident_one(six_layers, tmp_path):
     on_disk = LLM(six_layers, dtype="float32", **ENGINE, offload_folder=str(tmp_path),
                   disk_offload_gb=2 * layer_bytes / (1 << 30), cpu_offload_gb=layer_bytes / (1 << 30))
     streamer = on_disk.llm_engine.model_runner.streamer
-    assert streamer.streamed == [0, 1, 2] and streamer.disk == {0, 1} and sorted(streamer.host) == [2]
+    assert streamer.streamed == [0, 2, 4] and streamer.disk == {0, 2} and sorted(streamer.host) == [4]
     assert os.path.dirname(streamer.layer_file.path) == str(tmp_path)
     got = [o.outputs[0] for o in on_disk.generate(prompts, params, use_tqdm=False)]
     for g, w in zip(got, want):
