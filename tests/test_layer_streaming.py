@@ -160,7 +160,6 @@ def test_a_damaged_layer_file_is_a_clear_error(six_layers, tmp_path, monkeypatch
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2), use_tqdm=False)
 
 
-
 class _Future:
     def __init__(self, result):
         self.result = result
@@ -179,6 +178,7 @@ def test_a_failed_kvikio_read_is_an_os_error_naming_the_file(result):
 
     with pytest.raises(OSError, match=r"/x/layers.bin .*offset 8192.*cut short"):
         PendingRead(_Future(result), 8192, 8192, "/x/layers.bin").wait()
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
