@@ -407,8 +407,10 @@ class ModelRunner:
         self.kv_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        tokens, max_len = self.num_blocks * self.block_size, self.config.model_config.max_model_len
         logger.info(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens "
-                    f"({self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 30):.2f} GiB on {self.device})")
+                    f"({self.kv_cache.numel() * self.kv_cache.element_size() / (1 << 30):.2f} GiB on {self.device}); "
+                    f"maximum concurrency for {max_len:,} tokens a sequence: {tokens / max_len:.2f}x")
 
     def _make_host_pool(self) -> HostKVPool | None:
         """kv_offloading_size GiB of host blocks (None: none) for swapped, cached and offloaded KV, and the ring of
