@@ -200,14 +200,19 @@ def decode_tok_s(llm: LLM, batch: int, output_len: int) -> tuple[float, float]:
     sequences a decode step carried on average (fewer than `batch` where the KV cache holds fewer at a time)."""
     prompts = [[random.Random(i).randint(100, 500) for _ in range(128)] for i in range(batch)]
     generate_seconds(llm, prompts, 2)  # warm-up
-    passes = [0]  # forward passes over the decoder layers, one a step
-    hook = llm.llm_engine.model_runner.model.model.layers[0].register_forward_pre_hook(
-        lambda *_: passes.__setitem__(0, passes[0] + 1))
+    runner, steps = llm.llm_engine.model_runner, [0]  # steps launched, one pass over the layers each
+    launch = runner.launch  # counted here, not by a layer hook: a CUDA graph's replay runs no hooks
+
+    def counted_launch(*args, **kwargs):
+        steps[0] += 1
+        return launch(*args, **kwargs)
+
+    runner.launch = counted_launch
     whole = generate_seconds(llm, prompts, output_len)
-    whole_passes = passes[0]
+    whole_steps = steps[0]
     prefill = generate_seconds(llm, prompts, 1)
-    hook.remove()
-    decode_steps = whole_passes - (passes[0] - whole_passes)
+    del runner.launch
+    decode_steps = whole_steps - (steps[0] - whole_steps)
     return batch * (output_len - 1) / (whole - prefill), batch * (output_len - 1) / decode_steps
 
 
