@@ -20,16 +20,17 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.weights.bundled import bundled_model_path
-from nanovllm.weights.synthetic import SHAPES, write_model
+from nanovllm.weights.synthetic import SHAPES, write_config, write_model
 
 
-def resolve_model(name: str, dtype: torch.dtype, tokenizer_gguf: str | None = None) -> str:
-    """'smollm2', a synthetic shape ('llama3-8b'), a synthetic GGUF ('llama3-8b:Q4_K', its tokenizer from
-    tokenizer_gguf or the bundled model), or a path."""
+def resolve_model(name: str, dtype: torch.dtype, tokenizer_gguf: str | None = None, load_format: str = "auto") -> str:
+    """'smollm2', a synthetic shape ('llama3-8b'; with load_format "dummy" its config alone, the weights drawn at
+    load), a synthetic GGUF ('llama3-8b:Q4_K', its tokenizer from tokenizer_gguf or the bundled model), or a path."""
     if name == "smollm2":
         return bundled_model_path()
     if name in SHAPES:
-        return str(write_model(name, tempfile.mkdtemp(prefix=f"nanovllm-{name}-"), dtype))
+        out_dir = tempfile.mkdtemp(prefix=f"nanovllm-{name}-")
+        return str(write_config(name, out_dir, dtype)[0] if load_format == "dummy" else write_model(name, out_dir, dtype))
     shape, _, type_name = name.partition(":")
     if shape in SHAPES and type_name:
         from nanovllm.weights.synthetic_gguf import write_gguf
@@ -92,14 +93,15 @@ def make_llm(args, model, dtype, **settings) -> LLM:
     llm = LLM(model, device=args.device, dtype=dtype, attention_backend=args.attention_backend,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, quantization=args.quantization,
               tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-              disable_custom_all_reduce=args.disable_custom_all_reduce, **settings)
+              disable_custom_all_reduce=args.disable_custom_all_reduce, load_format=args.load_format, **settings)
     engine = llm.llm_engine
     args.engine_used = (f"quantization {engine.model_config.quantization}, "
                         f"attention backend {engine.model_runner.backend.name}, max_model_len "
                         f"{engine.model_config.max_model_len}, max_num_seqs {engine.config.max_num_seqs}"
                         + (f", tensor parallel {args.tensor_parallel_size}"
                            f"{' (NCCL only)' if args.disable_custom_all_reduce else ''}"
-                           if args.tensor_parallel_size > 1 else ""))
+                           if args.tensor_parallel_size > 1 else "")
+                        + (", random weights drawn at load (load_format dummy)" if args.load_format == "dummy" else ""))
     return llm
 
 
@@ -301,6 +303,8 @@ def main():
                     "cache reset before each; the median run is the last row) and decode1 (the median is reported)")
     ap.add_argument("--quantization", default=None, help="gguf, none, fp8, int8 or int4; default: the engine's")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights drawn at load (a synthetic shape's "
+                    "config alone is written; no weight file is read)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model's heads and rows split over")
     ap.add_argument("--disable-custom-all-reduce", action="store_true", help="tensor parallel: NCCL for every "
                     "all-reduce (vLLM's flag)")
@@ -313,11 +317,13 @@ def main():
     args = ap.parse_args()
     if args.repeat < 1:
         ap.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.hf and args.load_format == "dummy":
+        ap.error("--hf reads the weights from files; --load-format dummy writes none")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
-    model = resolve_model(args.model, dtype, args.tokenizer_gguf)
+    model = resolve_model(args.model, dtype, args.tokenizer_gguf, args.load_format)
     from nanovllm.weights.model_files import load_model_config
 
-    hf_config, _ = load_model_config(model)
+    hf_config, _ = load_model_config(model, args.load_format)
     if args.mode == "decode1":
         bench_decode1(args, model, dtype)
     elif args.mode == "sweep":

@@ -20,7 +20,7 @@ class ModelConfig:
     """What the engine knows of the model: its HF config, where it lives, and the resolved sizes."""
 
     model: str
-    format: str  # "safetensors" | "gguf"
+    format: str  # "safetensors" | "gguf" | "dummy" (weights drawn at load: weights/model_files.py)
     hf_config: object
     dtype: torch.dtype
     max_model_len: int
@@ -76,6 +76,7 @@ class Config:
     offload_folder: str | None = None  # None: NANOVLLM_CACHE (default ~/.cache/nanovllm) / offload
     tensor_parallel_size: int = 1  # processes the model's heads and rows are split over (GPUs, or CPU processes)
     disable_custom_all_reduce: bool = False  # True: every all-reduce between GPUs runs NCCL (vLLM's name)
+    load_format: str = "auto"  # vLLM's: "auto", "safetensors", "gguf", or "dummy" (random weights at real shapes)
     model_config: ModelConfig = field(init=False)
 
     def __post_init__(self):
@@ -100,7 +101,11 @@ class Config:
         _require(self.disk_offload_gb >= 0, f"disk_offload_gb must be >= 0 (GiB), got {self.disk_offload_gb}")
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                  f"kv_cache_memory_bytes must be None or > 0, got {self.kv_cache_memory_bytes}")
-        hf_config, fmt = load_model_config(self.model)
+        from nanovllm.weights.model_files import LOAD_FORMATS
+
+        _require(self.load_format in LOAD_FORMATS, f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
+                 f"{self.load_format!r}")
+        hf_config, fmt = load_model_config(self.model, self.load_format)
         quantization = self._resolve_quantization(fmt)
         dtype = self._resolve_dtype(hf_config, fmt, quantization)
         if self.block_size is None:

@@ -40,10 +40,10 @@ NO_EFFECT = frozenset({
 })
 
 # The values of other names that ask for nothing nanovllm lacks, beside the neutral None / False / 0 / "" / "auto"
-# / empty containers: for instance pipeline_parallel_size=1, load_format="safetensors".
+# / empty containers: for instance pipeline_parallel_size=1, config_format="hf".
 NEUTRAL = {
     "pipeline_parallel_size": (1,),
-    "decode_context_parallel_size": (1,), "load_format": ("safetensors", "gguf"), "config_format": ("hf",),
+    "decode_context_parallel_size": (1,), "config_format": ("hf",),
     "tokenizer_mode": ("hf",), "runner": ("generate",), "convert": ("none",), "task": ("generate",),
     "model_impl": ("vllm",), "logprobs_mode": ("raw_logprobs",), "scheduling_policy": ("fcfs",),
     "scheduler_cls": ("vllm.core.scheduler.Scheduler", "vllm.v1.core.sched.scheduler.Scheduler"),

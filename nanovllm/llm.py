@@ -51,7 +51,8 @@ class LLM:
                  quantization: str | None = None, kv_offloading_size: float | None = None,
                  kv_offloading_backend: str | None = None, cpu_offload_gb: float = 0,
                  disk_offload_gb: float = 0, offload_folder: str | None = None, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, disable_custom_all_reduce: bool = False, **kwargs):
+                 data_parallel_size: int = 1, disable_custom_all_reduce: bool = False, load_format: str = "auto",
+                 **kwargs):
         """nanovllm's own arguments are named here; **kwargs takes vLLM's other engine arguments
         (nanovllm.engine_args: accepted where they ask for nothing nanovllm lacks)."""
         check_vllm_args(kwargs)
@@ -64,7 +65,8 @@ class LLM:
             kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend, quantization=quantization,
             kv_offloading_size=kv_offloading_size, kv_offloading_backend=kv_offloading_backend,
             cpu_offload_gb=cpu_offload_gb, disk_offload_gb=disk_offload_gb, offload_folder=offload_folder,
-            tensor_parallel_size=tensor_parallel_size, disable_custom_all_reduce=disable_custom_all_reduce)
+            tensor_parallel_size=tensor_parallel_size, disable_custom_all_reduce=disable_custom_all_reduce,
+            load_format=load_format)
         config = Config(model=model, **{**engine_args, "max_num_seqs": 256 if max_num_seqs is None else max_num_seqs,
                                         "enable_prefix_caching": enable_prefix_caching is not False,
                                         "seed": 0 if seed is None else seed})

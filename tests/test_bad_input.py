@@ -78,6 +78,17 @@ def test_unsupported_architecture(tiny_model_dir, tmp_path):
         LLM(str(model))
 
 
+def test_a_load_format_that_does_not_fit_the_model_is_refused(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="load_format must be one of auto, safetensors, gguf, dummy, got 'pt'"):
+        LLM(tiny_model_dir("tiny-llama"), load_format="pt")
+    with pytest.raises(ValueError, match="load_format='gguf' does not fit"):
+        LLM(tiny_model_dir("tiny-llama"), load_format="gguf")
+    gguf_file = tmp_path / "model.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="load_format='dummy' does not fit"):
+        LLM(str(gguf_file), load_format="dummy")
+
+
 def test_corrupt_and_truncated_safetensors(tiny_model_dir, tmp_path):
     for name, mangle in [("truncated", lambda b: b[: len(b) // 2]), ("corrupt", lambda b: b"\x00\xff" * 64)]:
         model = tmp_path / name

@@ -78,14 +78,14 @@ def test_every_default_above_names_a_known_argument():
     own = {"tokenizer", "dtype", "seed", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
            "gpu_memory_utilization", "enable_prefix_caching", "enforce_eager", "num_gpu_blocks_override",
            "kv_cache_memory_bytes", "async_scheduling", "quantization", "cpu_offload_gb", "tensor_parallel_size",
-           "data_parallel_size", "disable_custom_all_reduce"}
+           "data_parallel_size", "disable_custom_all_reduce", "load_format"}
     assert set(ENGINE_ARGS_DEFAULTS) | set(LM_EVAL_ARGS) <= own | NO_EFFECT | FEATURES
 
 
 @pytest.mark.parametrize("kwargs", [
     dict(enable_lora=True), dict(kv_cache_dtype="fp8"),
     dict(speculative_config={"method": "ngram"}), dict(pipeline_parallel_size=2),
-    dict(skip_tokenizer_init=True), dict(load_format="dummy"), dict(scheduling_policy="priority"),
+    dict(skip_tokenizer_init=True), dict(tokenizer_mode="mistral"), dict(scheduling_policy="priority"),
 ])
 def test_a_feature_nanovllm_lacks_is_refused_by_name(tiny_model_dir, kwargs):
     (name, value), = kwargs.items()

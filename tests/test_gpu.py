@@ -74,6 +74,19 @@ def test_bf16_agreement_with_hf_on_cuda(small_model, max_num_seqs):
     assert forced >= 0.8
 
 
+def test_dummy_weights_drawn_on_the_gpu_are_the_written_ones(small_model, tmp_path):
+    """load_format="dummy" draws on the GPU the values write_model drew there (same seed): the same tokens."""
+    from nanovllm.weights.synthetic import write_config
+
+    config_only = str(write_config(SMALL, tmp_path, torch.float32)[0])
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(device="cuda", dtype=torch.float32, max_model_len=1024, gpu_memory_utilization=0.3)
+    written = LLM(small_model, **kw).generate(prompts, params, use_tqdm=False)
+    drawn = LLM(config_only, load_format="dummy", **kw).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in written] == [o.outputs[0].token_ids for o in drawn]
+
+
 def test_gpu_kv_cache_sized_from_free_memory(small_model):
     llm = LLM(small_model, device="cuda", gpu_memory_utilization=0.3)
     free, total = torch.cuda.mem_get_info()

@@ -40,6 +40,16 @@ def test_two_cpu_processes_give_the_tokens_of_one(tiny_model_dir, shape):
                 assert lp_a[token].logprob == pytest.approx(lp_b[token].logprob, abs=1e-4)
 
 
+def test_dummy_weights_split_over_two_processes(tiny_model_dir, tmp_path):
+    """Each rank draws the whole of every weight with the same seed and keeps its shard: TP=1's tokens."""
+    from nanovllm.weights.synthetic import write_config
+
+    config_only = str(write_config("tiny-llama", tmp_path, torch.float32)[0])
+    one, two = run(tiny_model_dir("tiny-llama")), run(config_only, load_format="dummy", tensor_parallel_size=2)
+    for a, b in zip(one, two):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
 @pytest.mark.slow  # the synthetic GGUF takes its vocabulary from the bundled model
 def test_gguf_blocks_kept_quantized_split_over_two_processes(tmp_path):
     """Q8_0 blocks sharded as they are (rows of qkv / gate_up / the vocabulary, whole blocks of o / down's rows)

@@ -62,6 +62,24 @@ def test_sharded_safetensors_load_like_one_file(tiny_model_dir, tmp_path):
         many.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
 
 
+@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2"])
+def test_dummy_weights_are_the_ones_the_writer_writes(tiny_model_dir, tmp_path, shape):
+    """load_format="dummy" reads config.json alone and draws the weights at load: the values write_model writes
+    with the same seed and device, so the tokens and logprobs are the written model's."""
+    from nanovllm.weights.synthetic import write_config
+
+    config_only, _ = write_config(shape, tmp_path / shape, torch.float32)
+    assert not list(config_only.glob("*.safetensors"))
+    prompts = [{"prompt_token_ids": p} for p in _prompts(3, 512, seed=7)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    kw = dict(max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    written = LLM(tiny_model_dir(shape), **kw).generate(prompts, params, use_tqdm=False)
+    drawn = LLM(str(config_only), load_format="dummy", **kw).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(written, drawn):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [lp.keys() for lp in a.outputs[0].logprobs] == [lp.keys() for lp in b.outputs[0].logprobs]
+
+
 @pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2"])  # tied embedding, untied
 def test_weight_bytes_per_step_count_each_weight_a_step_reads(tiny_model_dir, shape):
     """The benchmarks' bounds: the tied LM head once; an untied input embedding not at all (a step reads rows)."""

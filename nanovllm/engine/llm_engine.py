@@ -69,7 +69,7 @@ class LLMEngine:
 
     def _eos_token_ids(self) -> list[int]:
         ids = _as_list(getattr(self.model_config.hf_config, "eos_token_id", None))
-        if self.model_config.format == "safetensors":
+        if self.model_config.format != "gguf":
             try:
                 from transformers import GenerationConfig
 

@@ -244,7 +244,7 @@ class ModelRunner:
                 model = get_model_class(self.hf_config)(self.hf_config, quant_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        model.load_weights(iterate_weights(mc))
+        model.load_weights(iterate_weights(mc, self.device))
         if quant_config is not None:
             quant_config.finish_loading(model)
         return model.eval()

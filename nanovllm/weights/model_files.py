@@ -1,4 +1,5 @@
-"""Where a model's config, tokenizer and weights come from: a HF directory or a single .gguf file."""
+"""Where a model's config, tokenizer and weights come from: a HF directory or a single .gguf file; or, with
+load_format="dummy" (vLLM's), a directory's config.json alone and weights drawn at random at load."""
 import hashlib
 import json
 import os
@@ -14,9 +15,12 @@ from nanovllm.weights.gguf_loader import gguf_hf_config, iterate_gguf
 from nanovllm.weights.safetensors_loader import iterate_safetensors, safetensors_files
 
 TOKENIZER_CACHE = cache_dir("tokenizers")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
-def model_format(model: str) -> str:
+def model_format(model: str, load_format: str = "auto") -> str:
+    """"gguf" (a .gguf file), "safetensors" (a HF directory) or "dummy" (a HF directory whose weights are drawn at
+    load: its config.json alone is read)."""
     path = Path(model)
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {model} (give a HF model directory or a .gguf file; "
@@ -24,18 +28,24 @@ def model_format(model: str) -> str:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file {model} is not a .gguf file; give a .gguf file or a HF model directory")
-        return "gguf"
-    if not (path / "config.json").is_file():
+        fmt = "gguf"
+    elif not (path / "config.json").is_file():
         raise FileNotFoundError(f"model directory {model} has no config.json")
-    safetensors_files(path)
-    return "safetensors"
+    else:
+        fmt = "dummy" if load_format == "dummy" else "safetensors"
+    if load_format not in ("auto", fmt):
+        raise ValueError(f"load_format={load_format!r} does not fit {model}: a .gguf file loads as 'gguf', a model "
+                         "directory as 'safetensors' or 'dummy'")
+    if fmt == "safetensors":
+        safetensors_files(path)
+    return fmt
 
 
-def load_model_config(model: str):
+def load_model_config(model: str, load_format: str = "auto"):
     """Return (HF config, format); unsupported architectures fail here, before any work."""
     from transformers import AutoConfig
 
-    fmt = model_format(os.fspath(model))
+    fmt = model_format(os.fspath(model), load_format)
     if fmt == "gguf":
         hf_config = gguf_hf_config(os.fspath(model))
     else:
@@ -58,7 +68,9 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
     from transformers import AutoTokenizer
 
     source = tokenizer or model
-    if model_format(source) != "gguf":
+    if not Path(source).exists():
+        raise FileNotFoundError(f"tokenizer path does not exist: {source} (nanovllm never downloads from a hub)")
+    if Path(source).suffix != ".gguf":  # a directory with a tokenizer, weights or not
         return AutoTokenizer.from_pretrained(source)
     cache = _gguf_tokenizer_cache_dir(source)
     if (cache / "tokenizer_config.json").is_file():
@@ -72,7 +84,13 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
     return tok
 
 
-def iterate_weights(model_config) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(model_config, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every weight; "dummy" draws them on `device` (seed 0: every tensor-parallel rank draws
+    the same values, and the values write_model writes with seed 0 on that device)."""
+    if model_config.format == "dummy":
+        from nanovllm.weights.synthetic import random_weights
+
+        return random_weights(model_config.hf_config.to_dict(), model_config.dtype, device)
     if model_config.format == "gguf":
         return iterate_gguf(model_config.model, model_config.hf_config, model_config.quantization == "gguf")
     return iterate_safetensors(Path(model_config.model))

@@ -2,10 +2,12 @@
 tokenizer), so tests and benchmarks run where no model hub is reachable. Speed does not depend on values.
 
     python -m nanovllm.weights.synthetic qwen3-0.6b /tmp/qwen3-0.6b
+    python -m nanovllm.weights.synthetic llama3-70b /tmp/llama3-70b --config-only  # for load_format="dummy"
 """
 import argparse
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -87,13 +89,29 @@ def write_tokenizer(out: Path, vocab_size: int):
     fast.save_pretrained(out)
 
 
-def write_model(shape: str | dict, out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                device: str | None = None, shard_bytes: int = 4 << 30) -> Path:
+def random_weights(config: dict, dtype: torch.dtype, device: str | torch.device, seed: int = 0
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every weight of a Llama / Qwen2 / Qwen3 config, drawn on `device` in a fixed order: the
+    same seed and device give the same values (load_format="dummy" draws what write_model writes)."""
+    generator = torch.Generator(device).manual_seed(seed)
+    for name, shape in _tensor_shapes(config).items():
+        yield name, _random(name, shape, generator, device).to(dtype)
+
+
+def write_config(shape: str | dict, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> tuple[Path, dict]:
+    """config.json and a tokenizer, no weights: enough for load_format="dummy"."""
     config = {**_BASE, **(SHAPES[shape] if isinstance(shape, str) else shape)}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    json.dump({**config, "torch_dtype": str(dtype).removeprefix("torch.")}, open(out / "config.json", "w"), indent=1)
+    write_tokenizer(out, config["vocab_size"])
+    return out, config
+
+
+def write_model(shape: str | dict, out_dir: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                device: str | None = None, shard_bytes: int = 4 << 30) -> Path:
+    out, config = write_config(shape, out_dir, dtype)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    generator = torch.Generator(device).manual_seed(seed)
     shard, shard_size, index, n, total = {}, 0, {}, 0, 0
 
     def flush():
@@ -104,16 +122,14 @@ def write_model(shape: str | dict, out_dir: str, dtype: torch.dtype = torch.bflo
             index.update({k: name for k in shard})
             shard, shard_size, n = {}, 0, n + 1
 
-    for name, tensor_shape in _tensor_shapes(config).items():
-        shard[name] = _random(name, tensor_shape, generator, device).to(dtype).cpu()
-        shard_size += shard[name].numel() * shard[name].element_size()
-        total += shard[name].numel() * shard[name].element_size()
+    for name, tensor in random_weights(config, dtype, device, seed):
+        shard[name] = tensor.cpu()
+        shard_size += tensor.numel() * tensor.element_size()
+        total += tensor.numel() * tensor.element_size()
         if shard_size > shard_bytes:
             flush()
     flush()
     json.dump({"metadata": {"total_size": total}, "weight_map": index}, open(out / "model.safetensors.index.json", "w"))
-    json.dump({**config, "torch_dtype": str(dtype).removeprefix("torch.")}, open(out / "config.json", "w"), indent=1)
-    write_tokenizer(out, config["vocab_size"])
     return out
 
 
@@ -123,5 +139,10 @@ if __name__ == "__main__":
     ap.add_argument("out_dir")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config-only", action="store_true", help="config.json and the tokenizer, no weights: for "
+                    "LLM(..., load_format='dummy'), which draws the weights at load")
     args = ap.parse_args()
-    print(write_model(args.shape, args.out_dir, getattr(torch, args.dtype), args.seed))
+    if args.config_only:
+        print(write_config(args.shape, args.out_dir, getattr(torch, args.dtype))[0])
+    else:
+        print(write_model(args.shape, args.out_dir, getattr(torch, args.dtype), args.seed))
