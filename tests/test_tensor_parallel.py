@@ -50,6 +50,20 @@ def test_dummy_weights_split_over_two_processes(tiny_model_dir, tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+def test_four_cpu_processes_give_the_tokens_of_one(tmp_path):
+    """TP=4 (a shape with 8 heads and 4 KV heads, so each rank holds one KV head): TP=1's tokens and logprobs."""
+    from nanovllm.weights.synthetic import SHAPES, write_config
+
+    shape = dict(SHAPES["tiny-llama"], num_attention_heads=8, num_key_value_heads=4)
+    path = str(write_config(shape, tmp_path, torch.float32)[0])
+    one, four = run(path, load_format="dummy"), run(path, load_format="dummy", tensor_parallel_size=4)
+    for a, b in zip(one, four):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for lp_a, lp_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for token in lp_a:
+                assert lp_a[token].logprob == pytest.approx(lp_b[token].logprob, abs=1e-4)
+
+
 @pytest.mark.slow  # the synthetic GGUF takes its vocabulary from the bundled model
 def test_gguf_blocks_kept_quantized_split_over_two_processes(tmp_path):
     """Q8_0 blocks sharded as they are (rows of qkv / gate_up / the vocabulary, whole blocks of o / down's rows)
