@@ -41,9 +41,16 @@ def tiny_llm(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from nanovllm.weights.bundled import bundled_model_path
+    """The bundled SmolLM2 GGUF. The device has no network and its 98 MB are over what a device call carries, so
+    there its tests skip (CI runs them on CPU); elsewhere a failed download fails the test."""
+    from nanovllm.weights.bundled import BundledModelUnavailable, bundled_model_path
 
-    return bundled_model_path()
+    try:
+        return bundled_model_path()
+    except BundledModelUnavailable as e:
+        if torch.cuda.is_available():
+            pytest.skip(str(e))
+        raise
 
 
 def assert_no_leaks(llm):

