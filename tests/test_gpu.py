@@ -87,6 +87,18 @@ def test_dummy_weights_drawn_on_the_gpu_are_the_written_ones(small_model, tmp_pa
     assert [o.outputs[0].token_ids for o in written] == [o.outputs[0].token_ids for o in drawn]
 
 
+def test_weights_larger_than_the_gpu_are_a_clear_error_and_leave_it_free(tmp_path):
+    """Twice a 70B-class model's layers, drawn at load: the build runs out of memory, the error says what makes room,
+    and the memory the half-built model took is given back."""
+    from nanovllm.weights.synthetic import SHAPES, write_config
+
+    path = str(write_config(dict(SHAPES["llama3-70b"], num_hidden_layers=160), tmp_path, torch.bfloat16)[0])
+    free_before = torch.cuda.mem_get_info()[0]
+    with pytest.raises(torch.OutOfMemoryError, match="do not fit on cuda.*cpu_offload_gb"):
+        LLM(path, load_format="dummy", device="cuda", max_model_len=256)
+    assert torch.cuda.mem_get_info()[0] > free_before - (1 << 30)
+
+
 def test_gpu_kv_cache_sized_from_free_memory(small_model):
     llm = LLM(small_model, device="cuda", gpu_memory_utilization=0.3)
     free, total = torch.cuda.mem_get_info()

@@ -83,10 +83,10 @@ def test_dummy_weights_are_the_ones_the_writer_writes(tiny_model_dir, tmp_path, 
 @pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2"])  # tied embedding, untied
 def test_weight_bytes_per_step_count_each_weight_a_step_reads(tiny_model_dir, shape):
     """The benchmarks' bounds: the tied LM head once; an untied input embedding not at all (a step reads rows)."""
-    from nanovllm.weights.synthetic import _BASE, SHAPES, _tensor_shapes
+    from nanovllm.weights.synthetic import _BASE, SHAPES, weight_shapes
 
     config = {**_BASE, **SHAPES[shape]}
-    elements = sum(math.prod(s) for s in _tensor_shapes(config).values())
+    elements = sum(math.prod(s) for s in weight_shapes(config).values())
     if not config["tie_word_embeddings"]:
         elements -= config["vocab_size"] * config["hidden_size"]
     llm = LLM(tiny_model_dir(shape), max_model_len=256, kv_cache_memory_bytes=16 << 20)

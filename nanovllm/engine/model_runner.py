@@ -27,6 +27,7 @@ from nanovllm.models import get_model_class
 from nanovllm.quant.base_config import get_quantization_config
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.streaming.layer_streamer import LayerStreamer
+from nanovllm.streaming.placement import weights_do_not_fit
 from nanovllm.weights.model_files import iterate_weights
 
 if TYPE_CHECKING:
@@ -230,8 +231,6 @@ class ModelRunner:
 
     def _load_model(self):
         mc = self.config.model_config
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
         quant_config = get_quantization_config(mc.quantization, self.device, self.dtype, use_kernels=self.device.type
                                                == "cuda" and self.config.attention_backend != "torch")
         # with streamed layers the model loads in host memory (quantized layers too), so the device need not hold it
@@ -239,15 +238,27 @@ class ModelRunner:
         build_on = "cpu" if self.config.cpu_offload_gb or self.config.disk_offload_gb else self.device
         if quant_config is not None and build_on == "cpu":
             quant_config.load_device = torch.device("cpu")
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         try:
-            with torch.device(build_on):
-                model = get_model_class(self.hf_config)(self.hf_config, quant_config)
+            model = self._build_model(build_on, quant_config)
+            model.load_weights(iterate_weights(mc, self.device))
+            if quant_config is not None:
+                quant_config.finish_loading(model)
+            return model.eval()
+        except torch.OutOfMemoryError:  # raised below, once the half-built model is released
+            model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        raise weights_do_not_fit(mc, self.device, self.config.tensor_parallel_size, free)
+
+    def _build_model(self, device, quant_config):
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(device):
+                return get_model_class(self.hf_config)(self.hf_config, quant_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        model.load_weights(iterate_weights(mc, self.device))
-        if quant_config is not None:
-            quant_config.finish_loading(model)
-        return model.eval()
 
     def _stream_layers(self) -> LayerStreamer | None:
         """The streamed decoder layers (cpu_offload_gb / disk_offload_gb); the rest of the model moves to the device

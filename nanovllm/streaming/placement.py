@@ -4,7 +4,10 @@ The streamed layers are spread evenly among the resident ones, so that the link 
 the resident layers before it compute; a run of resident layers would leave the link idle that long (measured:
 Llama-3-8B Q4_K with its first 25% streamed decoded batch 64 at 71% of the link's bound). The embedding, the final
 norm and the LM head stay resident."""
+import math
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass
@@ -63,3 +66,21 @@ def fewest_evenly(items: list[int], layer_bytes: list[int], need: int) -> list[i
 def evenly(items: list[int], k: int) -> list[int]:
     """k of the items, evenly spaced, the first included."""
     return [items[j * len(items) // k] for j in range(k)]
+
+
+def weights_do_not_fit(model_config, device: torch.device, tensor_parallel_size: int,
+                       free_bytes: int | None) -> torch.OutOfMemoryError:
+    """The error for a model whose weights ran the device out of memory at load: how large they are (the dense
+    parameters; quantized ones take less) against what was free, and the settings that make room."""
+    from nanovllm.weights.synthetic import weight_shapes
+
+    params = sum(math.prod(shape) for shape in weight_shapes(model_config.hf_config.to_dict()).values())
+    gib = 1 << 30
+    dense = params * model_config.dtype.itemsize / tensor_parallel_size / gib
+    free = "" if free_bytes is None else f", against {free_bytes / gib:.1f} GiB free"
+    return torch.OutOfMemoryError(
+        f"the model's weights do not fit on {device} ({params / 1e9:.1f}B parameters: {dense:.1f} GiB "
+        f"{'a GPU ' if tensor_parallel_size > 1 else ''}at {str(model_config.dtype).removeprefix('torch.')} before "
+        f"any quantization{free}): stream decoder layers from host memory (cpu_offload_gb=GiB) or disk "
+        f"(disk_offload_gb=GiB), quantize them (quantization='int4', 'int8' or 'fp8'), or split the model over "
+        f"GPUs (tensor_parallel_size)")

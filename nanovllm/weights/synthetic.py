@@ -44,7 +44,8 @@ SHAPES = {
 }
 
 
-def _tensor_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every weight of a Llama / Qwen2 / Qwen3 config (a dict)."""
     h, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     q, kv, ff = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd, c["intermediate_size"]
     shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
@@ -94,7 +95,7 @@ def random_weights(config: dict, dtype: torch.dtype, device: str | torch.device,
     """(HF name, tensor) of every weight of a Llama / Qwen2 / Qwen3 config, drawn on `device` in a fixed order: the
     same seed and device give the same values (load_format="dummy" draws what write_model writes)."""
     generator = torch.Generator(device).manual_seed(seed)
-    for name, shape in _tensor_shapes(config).items():
+    for name, shape in weight_shapes(config).items():
         yield name, _random(name, shape, generator, device).to(dtype)
 
 
