@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.entrypoints import cli, run_batch
@@ -117,3 +118,20 @@ def test_two_data_parallel_replicas_write_what_one_engine_writes(tiny_model_dir,
     for entry in one + two:
         entry["response"]["body"].pop("created")
     assert one == two and [entry["custom_id"] for entry in two] == ["c1", "c2", "c9"]
+
+
+def test_weights_drawn_at_load_write_what_the_written_weights_write(tiny_model_dir, batch_file, tmp_path):
+    """--load-format dummy on a config alone (a pipeline tried at a model's real shape without its weights): the
+    tiny model's written weights are the drawn ones, so the results are the same."""
+    from nanovllm.weights.synthetic import write_config
+
+    config_only = str(write_config("tiny-llama", tmp_path / "config-only", torch.float32)[0])
+    for name, model, extra in (("written.jsonl", tiny_model_dir("tiny-llama"), []),
+                               ("drawn.jsonl", config_only, ["--load-format", "dummy", "--dtype", "float32"])):
+        assert cli.main(["run-batch", "-i", str(batch_file), "-o", str(tmp_path / name), "--model", model,
+                         "--device", "cpu", "--max-model-len", "64", *extra]) == 0
+    written, drawn = results(tmp_path, "written.jsonl"), results(tmp_path, "drawn.jsonl")
+    for entry in written + drawn:
+        entry["response"]["body"].pop("created")
+        entry["response"]["body"].pop("model")
+    assert written == drawn and len(drawn) == 3

@@ -16,7 +16,8 @@ from nanovllm.entrypoints.openai_batch import CHAT, BadRequest, BatchRequest, er
 # LLM() arguments that the command passes on, each as --name-with-dashes
 ENGINE_ARGS = (("tokenizer", str), ("dtype", str), ("device", str), ("max_model_len", int), ("max_num_seqs", int),
                ("gpu_memory_utilization", float), ("quantization", str), ("seed", int), ("kv_offloading_size", float),
-               ("cpu_offload_gb", float), ("tensor_parallel_size", int), ("data_parallel_size", int))
+               ("cpu_offload_gb", float), ("disk_offload_gb", float), ("tensor_parallel_size", int),
+               ("data_parallel_size", int), ("load_format", str))
 
 
 def add_arguments(parser: argparse.ArgumentParser):
