@@ -71,6 +71,9 @@ class Config:
     quantization: str | None = None
     kv_offloading_size: float | None = None  # GiB of host memory for KV blocks (docs/offloading.md); None: none
     kv_offloading_backend: str | None = None  # "native" (the only one) or None
+    # with kv_offloading_size, what a preempted sequence's KV does: "swap" (to host memory and back), "recompute",
+    # or None: the cheaper of the two, as measured at start-up (kvcache/preemption.py). Without it: recompute
+    preemption_mode: str | None = None
     cpu_offload_gb: float = 0  # GiB of decoder-layer weights held in host memory and streamed in (vLLM's name)
     disk_offload_gb: float = 0  # GiB of decoder-layer weights read from a file in offload_folder as they run
     offload_folder: str | None = None  # None: NANOVLLM_CACHE (default ~/.cache/nanovllm) / offload
@@ -97,6 +100,10 @@ class Config:
                  f"kv_offloading_size must be None or > 0 (GiB), got {self.kv_offloading_size}")
         _require(self.kv_offloading_backend in (None, "native"),
                  f"kv_offloading_backend must be None or 'native', got {self.kv_offloading_backend!r}")
+        _require(self.preemption_mode in (None, "swap", "recompute"),
+                 f"preemption_mode must be None, 'swap' or 'recompute', got {self.preemption_mode!r}")
+        _require(self.preemption_mode != "swap" or self.kv_offloading_size is not None,
+                 "preemption_mode='swap' copies KV to host memory: set kv_offloading_size (GiB) too")
         _require(self.cpu_offload_gb >= 0, f"cpu_offload_gb must be >= 0 (GiB), got {self.cpu_offload_gb}")
         _require(self.disk_offload_gb >= 0, f"disk_offload_gb must be >= 0 (GiB), got {self.disk_offload_gb}")
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,

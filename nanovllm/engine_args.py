@@ -8,11 +8,11 @@ have raises TypeError, as vLLM does."""
 from nanovllm.logger import log_once
 
 # Any value changes nothing here: hub and download settings (models are local paths), logging, CPU swap for
-# preemption (nanovllm recomputes), torch.compile and CUDA graph sizes (nanovllm captures its own buckets), and the
+# preemption (nanovllm's is kv_offloading_size), torch.compile and CUDA graph sizes (nanovllm captures its own buckets), and the
 # tuning knobs of features that are off (LoRA, multimodal, expert parallel) or absent from the models nanovllm runs.
 NO_EFFECT = frozenset({
     "trust_remote_code", "revision", "tokenizer_revision", "code_revision", "download_dir", "hf_token",
-    "served_model_name", "disable_log_stats", "aggregate_engine_logging", "host_pool", "max_logprobs",
+    "served_model_name", "disable_log_stats", "aggregate_engine_logging", "swap_space", "max_logprobs",
     "compilation_config", "cuda_graph_sizes", "cudagraph_capture_sizes", "max_cudagraph_capture_size",
     "max_seq_len_to_capture", "max_context_len_to_capture",
     "max_parallel_loading_workers", "ray_workers_use_nsight", "use_tqdm_on_load", "pt_load_map_location",
@@ -48,7 +48,7 @@ NEUTRAL = {
     "model_impl": ("vllm",), "logprobs_mode": ("raw_logprobs",), "scheduling_policy": ("fcfs",),
     "scheduler_cls": ("vllm.core.scheduler.Scheduler", "vllm.v1.core.sched.scheduler.Scheduler"),
     "worker_cls": (), "worker_extension_cls": (), "distributed_executor_backend": ("uni", "mp"),
-    "preemption_mode": ("recompute",), "num_scheduler_steps": (1,), "additional_config": (),
+"num_scheduler_steps": (1,), "additional_config": (),
 }
 
 # vLLM's names whose non-neutral values ask for features nanovllm does not have yet

@@ -6,6 +6,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config, require_gpus
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.scheduler import NoProgressError
 from nanovllm.engine_args import check_vllm_args
 from nanovllm.inputs import PromptType
 from nanovllm.outputs import RequestOutput
@@ -49,7 +50,7 @@ class LLM:
                  num_gpu_blocks_override: int | None = None,
                  kv_cache_memory_bytes: int | None = None, attention_backend: str | None = None,
                  quantization: str | None = None, kv_offloading_size: float | None = None,
-                 kv_offloading_backend: str | None = None, cpu_offload_gb: float = 0,
+                 kv_offloading_backend: str | None = None, preemption_mode: str | None = None, cpu_offload_gb: float = 0,
                  disk_offload_gb: float = 0, offload_folder: str | None = None, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, disable_custom_all_reduce: bool = False, load_format: str = "auto",
                  **kwargs):
@@ -64,6 +65,7 @@ class LLM:
             async_scheduling=async_scheduling, seed=seed, num_gpu_blocks_override=num_gpu_blocks_override,
             kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend, quantization=quantization,
             kv_offloading_size=kv_offloading_size, kv_offloading_backend=kv_offloading_backend,
+            preemption_mode=preemption_mode,
             cpu_offload_gb=cpu_offload_gb, disk_offload_gb=disk_offload_gb, offload_folder=offload_folder,
             tensor_parallel_size=tensor_parallel_size, disable_custom_all_reduce=disable_custom_all_reduce,
             load_format=load_format)
@@ -147,14 +149,18 @@ class LLM:
         start = time.perf_counter()
         in_tokens = out_tokens = 0
         with tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm) as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    outputs[out.request_id] = out
-                    in_tokens += len(out.prompt_token_ids)
-                    out_tokens += sum(len(c.token_ids) for c in out.outputs)
-                    elapsed = time.perf_counter() - start
-                    bar.set_postfix_str(f"input: {in_tokens / elapsed:.0f} tok/s, output: {out_tokens / elapsed:.0f} tok/s")
-                    bar.update(len(out.outputs))
+            try:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        outputs[out.request_id] = out
+                        in_tokens += len(out.prompt_token_ids)
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(f"input: {in_tokens / elapsed:.0f} tok/s, output: {out_tokens / elapsed:.0f} tok/s")
+                        bar.update(len(out.outputs))
+            except NoProgressError as e:
+                e.finished = [outputs[i] for i in ids if i in outputs]  # what finished before, in input order
+                raise
         return outputs
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,

@@ -8,7 +8,7 @@ from nanovllm.engine_args import FEATURES, NO_EFFECT
 # lm-evaluation-harness's VLLM.__init__ model_args, with its defaults (max_batch_size=None gives max_num_seqs=None)
 LM_EVAL_ARGS = dict(gpu_memory_utilization=0.9, revision=None, dtype="auto", tokenizer=None, tokenizer_mode="auto",
                     tokenizer_revision=None, trust_remote_code=False, tensor_parallel_size=1, max_model_len=None,
-                    max_num_seqs=None, host_pool=4, quantization=None, seed=1234, enable_lora=False,
+                    max_num_seqs=None, swap_space=4, quantization=None, seed=1234, enable_lora=False,
                     max_lora_rank=16)
 
 # vLLM's EngineArgs fields at their defaults, as its examples/offline_inference/basic/generate.py passes them
@@ -27,7 +27,7 @@ ENGINE_ARGS_DEFAULTS = dict(
     _api_process_count=1, _api_process_rank=0, num_redundant_experts=0, eplb_window_size=1000,
     eplb_step_interval=3000, eplb_log_balancedness=False, max_parallel_loading_workers=None, block_size=None,
     enable_prefix_caching=None, prefix_caching_hash_algo="sha256", disable_sliding_window=False,
-    disable_cascade_attn=False, host_pool=4, cpu_offload_gb=0, gpu_memory_utilization=0.9,
+    disable_cascade_attn=False, swap_space=4, cpu_offload_gb=0, gpu_memory_utilization=0.9,
     kv_cache_memory_bytes=None, max_num_batched_tokens=None, max_num_partial_prefills=1, max_long_partial_prefills=1,
     long_prefill_token_threshold=0, max_num_seqs=None, max_logprobs=20, logprobs_mode="raw_logprobs",
     disable_log_stats=False, aggregate_engine_logging=False, revision=None, code_revision=None, rope_scaling={},

@@ -9,6 +9,7 @@ import torch
 from conftest import assert_no_leaks
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.kvcache.preemption import PreemptionPolicy
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CUDA the pool is pinned and copies cross the link
 PROMPTS = [{"prompt_token_ids": list(range(5 + i, 40 + 3 * i))} for i in range(6)]
@@ -16,15 +17,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 def engine(tiny_model_dir, **kw) -> LLM:
-    """12 device blocks of 16 tokens for 6 sequences of up to 95 tokens: preemptions are certain. A swap space's
-    copy is made cheap, so that swapping never hangs on timings of a busy machine (the choice has its own test).
+    """12 device blocks of 16 tokens for 6 sequences of up to 95 tokens: preemptions are certain. With a host pool,
+    preemption swaps unless the test pins it otherwise (the measured choice has its own test).
     fp32 on CUDA too: in bf16 a recomputed prefill's KV differs from the decode steps' in the last bits, and the tiny
     random model's near ties then break the other way (seen on the H100)."""
-    llm = LLM(tiny_model_dir("tiny-llama"), device=DEVICE, dtype="float32", max_model_len=128,
-              num_gpu_blocks_override=12, block_size=16, **kw)
-    if llm.llm_engine.scheduler.host_pool is not None:
-        llm.llm_engine.scheduler.host_pool.bandwidth = 1e12
-    return llm
+    if kw.get("kv_offloading_size"):
+        kw.setdefault("preemption_mode", "swap")
+    return LLM(tiny_model_dir("tiny-llama"), device=DEVICE, dtype="float32", max_model_len=128,
+               num_gpu_blocks_override=12, block_size=16, **kw)
 
 
 def greedy(llm: LLM) -> list[list[int]]:
@@ -41,17 +41,28 @@ def test_swap_gives_the_tokens_of_recompute(tiny_model_dir):
     assert_no_leaks(swap)
 
 
-def test_recompute_where_the_copy_costs_more_or_the_pool_is_full(tiny_model_dir):
+def test_the_measured_policy_swaps_where_the_copy_costs_less():
+    """64 KiB blocks, 1 GFLOP a token: at 10 GB/s a block's copy out and back takes 13 us; at 100 TFLOP/s a token's
+    recompute 10 us."""
+    policy = PreemptionPolicy(None, block_bytes=64 << 10, flops_per_token=1e9, link_bandwidth=10e9, flops=100e12)
+    assert policy.swaps(1, 16) and not policy.swaps(1, 1)
+    assert policy.swaps(10, 14) and not policy.swaps(10, 13)
+    assert PreemptionPolicy("swap").swaps(1000, 1) and not PreemptionPolicy("recompute").swaps(1, 1000)
+
+
+def test_recompute_where_pinned_or_the_pool_is_full(tiny_model_dir):
+    want = greedy(engine(tiny_model_dir))
+    llm = engine(tiny_model_dir, kv_offloading_size=0.01, preemption_mode="recompute")
+    assert greedy(llm) == want and llm.llm_engine.scheduler.num_swaps == 0
     llm = engine(tiny_model_dir, kv_offloading_size=0.01)
     space = llm.llm_engine.scheduler.host_pool
-    assert space.swap_beats_recompute(1, 1000) and not space.swap_beats_recompute(1000, 1)
-    want = greedy(engine(tiny_model_dir))
-    space.bandwidth = 1.0  # a copy dearer than any recompute
-    assert greedy(llm) == want and llm.llm_engine.scheduler.num_swaps == 0
-    space.bandwidth = 1e12
-    space.cached.clear()
     del space.free_blocks[1:]  # one host block: too few for any preempted sequence
     assert greedy(llm) == want and llm.llm_engine.scheduler.num_swaps == 0
+
+
+def test_the_measured_choice_is_made_at_start_up(tiny_model_dir):
+    policy = engine(tiny_model_dir, kv_offloading_size=0.01, preemption_mode=None).llm_engine.scheduler.preemption
+    assert policy.mode is None and policy.link_bandwidth > 0 and policy.flops > 0 and policy.flops_per_token > 0
 
 
 def test_no_block_leaks_through_random_aborts(tiny_model_dir):
@@ -98,9 +109,7 @@ def test_smollm2_swaps_as_it_recomputes(smollm2_path):
     runs = {}
     for size in (None, 0.05):
         llm = LLM(smollm2_path, device=DEVICE, max_model_len=256, num_gpu_blocks_override=24, block_size=16,
-                  kv_offloading_size=size)
-        if size is not None:
-            llm.llm_engine.scheduler.host_pool.bandwidth = 1e12
+                  kv_offloading_size=size, preemption_mode="swap" if size else None)
         runs[size] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.llm_engine.scheduler.num_preemptions > 0
         assert_no_leaks(llm)
@@ -112,6 +121,8 @@ def test_smollm2_swaps_as_it_recomputes(smollm2_path):
     (dict(kv_offloading_size=0), "kv_offloading_size must be None or > 0"),
     (dict(kv_offloading_size=1e-9), "kv_offloading_size=1e-09 GiB holds no KV block"),
     (dict(kv_offloading_size=1, kv_offloading_backend="lmcache"), "kv_offloading_backend must be None or 'native'"),
+    (dict(preemption_mode="swap"), "preemption_mode='swap' copies KV to host memory: set kv_offloading_size"),
+    (dict(preemption_mode="offload"), "preemption_mode must be None, 'swap' or 'recompute'"),
 ])
 def test_bad_offloading_settings_name_the_problem(tiny_model_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -146,7 +157,7 @@ def test_offloaded_blocks_stay_ascending_runs_after_the_pool_is_reused():
     the next offloaded again, gets ascending runs each time (released blocks once came back descending)."""
     from nanovllm.kvcache.host_pool import HostKVPool
 
-    pool = HostKVPool(torch.zeros(2, 1, 8, 4, 1, 2), 16, flops_per_token=1.0)
+    pool = HostKVPool(torch.zeros(2, 1, 8, 4, 1, 2), 16)
     for _ in range(3):
         taken = pool.swap_out(list(range(6))) + pool.swap_out([6]) + pool.swap_out([7])
         assert taken == list(range(taken[0], taken[0] + 8)), taken

@@ -238,7 +238,7 @@ def test_smollm2_over_three_cpu_processes_gives_the_tokens_of_one(smollm2_path):
 
 
 @pytest.mark.parametrize("offload", [
-    dict(kv_offloading_size=0.01, num_gpu_blocks_override=4),  # most KV in host memory: offloaded steps, swaps
+    dict(kv_offloading_size=0.01, num_gpu_blocks_override=4, preemption_mode="swap"),  # offloaded steps, swaps
     dict(cpu_offload_gb=1e-6),  # the first decoder layer streamed from host memory on every rank
 ])
 def test_offloading_splits_over_two_processes(tiny_model_dir, offload):

@@ -157,6 +157,24 @@ class BlockManager:
             seq.block_table[i] = -1
         return len(device_blocks)
 
+    def resume_offloaded(self, seq: Sequence, num_new_tokens: int) -> int:
+        """A swapped-out sequence taken back as an offloaded one: its full swapped blocks become its host blocks
+        (block_table -1), a part-filled last one is copied back into a device block, and device blocks are taken for
+        as many of num_new_tokens as they hold. Returns how many tokens fit (0, and no change, where none does)."""
+        bs, computed = self.block_size, seq.num_computed_tokens
+        num_full = computed // bs
+        fit = min(num_new_tokens, self.num_free_blocks * bs - computed % bs)
+        if fit <= 0:
+            return 0
+        device_blocks = [self._take_free_block() for _ in range(-(-(computed + fit) // bs) - num_full)]
+        host_blocks, partial = seq.swapped_blocks[:num_full], seq.swapped_blocks[num_full:]
+        if partial:
+            self.host_pool.swap_in(partial, device_blocks[:1])
+        seq.host_blocks = host_blocks
+        seq.block_table = [-1] * num_full + device_blocks
+        self.num_offloaded_blocks += num_full
+        return fit
+
     def place_prefill_in_pool(self, seq: Sequence, hit: PrefixHit | None = None) -> bool:
         """For a prompt prefilled a layer at a time in one step (kvcache/layer_major.py): seq's computed KV in the host
         pool (its device blocks moved there; for a new sequence, a prefix hit's device blocks copied there and the

@@ -8,7 +8,7 @@ from nanovllm.distributed.workers import TensorParallelWorkers
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner, TokenLogprobs
-from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.scheduler import NoProgressError, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
@@ -56,12 +56,13 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.host_pool)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.model_runner.layer_major is not None)
+                                   self.model_runner.layer_major is not None, self.model_runner.preemption)
         self.requests: dict[str, Request] = {}
         self._seed_rng = np.random.default_rng(config.seed)
         self._arrival = count()
         self._in_flight = None  # a launched step whose tokens are not read yet (async scheduling)
         self.num_steps_ahead = 0  # statistics: steps launched before the previous step's tokens were read
+        self._steps_without_a_token = 0
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
@@ -145,6 +146,7 @@ class LLMEngine:
         if ahead is None:
             self.scheduler.finish_step(live)
         result = self.model_runner.collect(handle)
+        self._check_progress(result.sampled)
         done = []
         for seq, token, logprobs, prompt_lps in zip(handle.seqs, result.sampled, result.logprobs,
                                                     result.prompt_logprobs):
@@ -166,6 +168,23 @@ class LLMEngine:
             else:
                 self._in_flight = ahead
         return [self._request_output(r) for r in done]
+
+    def _check_progress(self, sampled: list[int | None]):
+        """Raise NoProgressError where steps go on without sampling a token for longer than computing every
+        unfinished sequence's tokens four times over takes (each step computes at least one): preemptions that
+        undo one another would otherwise spin for ever."""
+        if any(token is not None for token in sampled):
+            self._steps_without_a_token = 0
+            return
+        self._steps_without_a_token += 1
+        if self._steps_without_a_token < 64:
+            return
+        seqs = self.scheduler.running + list(self.scheduler.waiting)
+        if self._steps_without_a_token > 4 * sum(seq.num_tokens for seq in seqs):
+            raise NoProgressError(f"{self._steps_without_a_token} steps ran without sampling a token for any of "
+                                  f"{len(seqs)} sequences: preemptions undo each other's work. Give the KV cache more "
+                                  "room (gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override or "
+                                  "kv_offloading_size) or lower max_num_seqs")
 
     def _launch_ahead(self, handle, live: list[Sequence]):
         """Launch the next step (live's decodes, fed by this step's tokens still on the device, and prompt chunks),

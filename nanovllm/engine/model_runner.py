@@ -16,6 +16,7 @@ from nanovllm.host_memory import require_host_memory
 from nanovllm.kvcache.host_pool import HostKVPool
 from nanovllm.kvcache.layer_major import LayerMajorPrefill
 from nanovllm.kvcache.offload_engine import OFFLOAD_SLOT_BYTES, OFFLOAD_SLOTS, OffloadEngine, slot_blocks
+from nanovllm.kvcache.preemption import PreemptionPolicy, measured_policy
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import LMHead
@@ -144,6 +145,7 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks()
         self._allocate_kv_cache()
         self.layer_major: LayerMajorPrefill | None = None  # set with the host pool
+        self.preemption = PreemptionPolicy("recompute")  # swap or recompute: set with the host pool
         self.host_pool = self._make_host_pool()
         if self.device.type == "cpu":
             keep_freed_memory()  # after loading: load-time temporaries are returned to the OS as before
@@ -434,10 +436,9 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(f"kv_offloading_size={gib} GiB holds no KV block ({self.kv_bytes_per_block()} bytes "
                              "each): raise it")
-        c, attn = self.hf_config, self.attention_layers[0]
-        q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        layer_params = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
-        host_pool = HostKVPool(self.kv_cache, num_blocks, 2 * c.num_hidden_layers * layer_params)
+        attn = self.attention_layers[0]
+        host_pool = HostKVPool(self.kv_cache, num_blocks)
+        self.preemption = self._preemption_policy(host_pool)
         engine = OffloadEngine(host_pool.pool, OFFLOAD_SLOTS, slot_blocks(host_pool.pool),
                                self.device, fast=self.fast_kernels)
         engine.warm_up(attn.num_heads)
@@ -452,6 +453,16 @@ class ModelRunner:
                     + ("; a prompt that outgrows the GPU alone is prefilled a layer at a time into host memory"
                        if self.layer_major is not None else ""))
         return host_pool
+
+    def _preemption_policy(self, host_pool: HostKVPool) -> PreemptionPolicy:
+        """preemption_mode as set, or (None) the swap-or-recompute costs measured now."""
+        mode = self.config.preemption_mode
+        if mode is not None:
+            return PreemptionPolicy(mode)
+        c, attn = self.hf_config, self.attention_layers[0]
+        q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        layer_params = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+        return measured_policy(self.kv_cache, host_pool.pool, 2 * c.num_hidden_layers * layer_params)
 
     # ---- one step -------------------------------------------------------------------------------
     def _to_device(self, array, dtype) -> torch.Tensor:

@@ -2,6 +2,11 @@ from collections import deque
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.kvcache.preemption import PreemptionPolicy
+
+
+class NoProgressError(RuntimeError):
+    """The engine cannot advance: what is waiting can never be scheduled with the KV cache it has."""
 
 
 class Scheduler:
@@ -16,10 +21,11 @@ class Scheduler:
     to the pool (kvcache/layer_major.py)."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefill_to_host: bool = False):
+                 prefill_to_host: bool = False, preemption: PreemptionPolicy = PreemptionPolicy("recompute")):
         """prefill_to_host: the model runner can prefill a prompt a layer at a time into the host pool
-        (kvcache/layer_major.py)."""
+        (kvcache/layer_major.py); preemption: swap or recompute, where there is a host pool."""
         self.block_manager = block_manager
+        self.preemption = preemption
         self.prefill_to_host = prefill_to_host
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -82,6 +88,8 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(seq)
             budget -= seq.num_scheduled_tokens
+        if not scheduled and not preempted and self.waiting:  # nothing runs, so the next call would do the same
+            raise NoProgressError(self._why_stalled())
         # decodes first (the backends' layout), longest first: the attention kernels start their longest
         # programs first, which shortens the tail (1% at 215 sequences on the H100)
         scheduled.sort(key=lambda s: (s.num_scheduled_tokens != 1, -s.num_tokens))
@@ -150,10 +158,23 @@ class Scheduler:
         fit = min(num_new, room)
         return fit if fit > 0 and (moved or fit < num_new) else 0
 
+    def _why_stalled(self) -> str:
+        bm, bs = self.block_manager, self.block_manager.block_size
+        waiting = "; ".join(
+            f"request {seq.request_id!r} (completion {seq.index}): {seq.num_tokens} tokens, {-(-seq.num_tokens // bs)} "
+            f"blocks{', swapped out' if seq.swapped_blocks is not None else ''}" for seq in list(self.waiting)[:4])
+        more = f" and {len(self.waiting) - 4} more" if len(self.waiting) > 4 else ""
+        pool = self.host_pool
+        host = f"; host memory: {pool.num_free_blocks} of {pool.pool.shape[2]} blocks free" if pool is not None else ""
+        return (f"no sequence can run: {waiting}{more} wait, none fits the KV cache (GPU: {bm.num_free_blocks} of "
+                f"{bm.num_blocks} blocks of {bs} tokens free{host}). Give the KV cache more room "
+                "(gpu_memory_utilization, kv_cache_memory_bytes or num_gpu_blocks_override; kv_offloading_size for host "
+                "memory) or lower max_model_len")
+
     def _preempt(self, seq: Sequence):
         computed_blocks = seq.block_table[:-(-seq.num_computed_tokens // self.block_manager.block_size)]
         if self.host_pool is not None and computed_blocks and not seq.host_blocks and \
-                self.host_pool.swap_beats_recompute(len(computed_blocks), seq.num_computed_tokens):
+                self.preemption.swaps(len(computed_blocks), seq.num_computed_tokens):
             seq.swapped_blocks = self.host_pool.swap_out(computed_blocks)  # None: no room, recompute
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -166,11 +187,14 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _swap_in(self, seq: Sequence, budget: int) -> bool:
-        """Give a swapped-out sequence device blocks for its KV and this step's tokens, and copy its KV back."""
-        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-        if not self.block_manager.allocate_slots(seq, num_new):
+        """Give a swapped-out sequence device blocks for its KV and this step's tokens, and copy its KV back. Where
+        the device cannot take it back whole and nothing else runs, it resumes offloaded instead: its full blocks
+        stay in the pool as its leading host blocks, as for a running sequence that outgrew the device."""
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self._max_chunk)
+        if self.block_manager.allocate_slots(seq, num_new):
+            self.host_pool.swap_in(seq.swapped_blocks, seq.block_table[:len(seq.swapped_blocks)])
+        elif self.running or not (num_new := self.block_manager.resume_offloaded(seq, num_new)):
             return False
-        self.host_pool.swap_in(seq.swapped_blocks, seq.block_table[:len(seq.swapped_blocks)])
         seq.swapped_blocks = None
         seq.num_scheduled_tokens = num_new
         return True

@@ -1,25 +1,22 @@
 """KV blocks in host memory (pinned on CUDA; `kv_offloading_size` GiB, vLLM's name), for two uses:
-- swap preemption: a preempted sequence's KV is copied here and back instead of being dropped and recomputed,
-  where the copy out and back costs less than the recompute;
+- swap preemption: a preempted sequence's KV is copied here and back instead of being dropped and recomputed
+  (kvcache/preemption.py chooses);
 - a second tier of the prefix cache: a cached block that the device evicts keeps its KV here (least recently
   used first out), and a later prompt with that prefix loads it instead of recomputing it.
 Copies move whole blocks across every layer by sgDMA (comm/sgdma.py), queued on the current stream."""
-import time
 from collections import OrderedDict
 
 import torch
 
 from nanovllm.comm.sgdma import copy_blocks
-from nanovllm.logger import logger
 
 
 class HostKVPool:
     """Blocks held by swapped sequences are theirs until they resume; the others are free or hold cached prefix
     blocks, which give way (least recently used first) when a block is needed."""
 
-    def __init__(self, kv_cache: torch.Tensor, num_blocks: int, flops_per_token: float):
-        """kv_cache: the device cache [2, layers, blocks, block_size, kv_heads, head_dim]; flops_per_token: what
-        recomputing one token of KV costs (the model's forward)."""
+    def __init__(self, kv_cache: torch.Tensor, num_blocks: int):
+        """kv_cache: the device cache [2, layers, blocks, block_size, kv_heads, head_dim]."""
         self.kv_cache = kv_cache
         self.pool = torch.empty((*kv_cache.shape[:2], num_blocks, *kv_cache.shape[3:]), dtype=kv_cache.dtype,
                                 pin_memory=kv_cache.is_cuda)
@@ -28,20 +25,7 @@ class HostKVPool:
         self.checked_out: set[int] = set()  # hashes of cached blocks between checkout and load_prefix
         self.block_bytes = self.pool[:, :, 0].numel() * self.pool.element_size()
         self.block_size = kv_cache.shape[3]
-        self.bandwidth, self.flops = self._measure(kv_cache.device)
-        self.flops_per_token = flops_per_token
-        self.choices_logged: set[bool] = set()
         self.copied_blocks = 0  # statistics: blocks copied either way (swaps, offloads, the prefix tier)
-
-    def _measure(self, device: torch.device) -> tuple[float, float]:
-        """(bytes a second of a device <-> pool block copy, FLOP/s of a matmul in the cache's dtype), timed once."""
-        count = min(len(self.free_blocks), self.kv_cache.shape[2], max(1, (64 << 20) // self.block_bytes))
-        blocks = list(range(count))
-        copy = _seconds(lambda: copy_blocks(self.kv_cache, self.pool, blocks, blocks), device) + \
-            _seconds(lambda: copy_blocks(self.pool, self.kv_cache, blocks, blocks), device)
-        a = torch.randn(512, 2048, dtype=self.kv_cache.dtype, device=device)
-        matmul = _seconds(lambda: a @ a.T, device)
-        return 2 * len(blocks) * self.block_bytes / copy, 2 * 512 * 512 * 2048 / matmul
 
     def _copy_out(self, device_blocks: list[int], pool_blocks: list[int]):
         copy_blocks(self.kv_cache, self.pool, device_blocks, pool_blocks)
@@ -61,19 +45,6 @@ class HostKVPool:
             _, (block, _) = self.cached.popitem(last=False)
             return block
         return self.free_blocks.pop()
-
-    def swap_beats_recompute(self, num_blocks: int, num_tokens: int) -> bool:
-        """Whether copying num_blocks out and back costs less than recomputing num_tokens of KV; the first choice
-        each way is logged with its figures."""
-        copy = 2 * num_blocks * self.block_bytes / self.bandwidth
-        recompute = num_tokens * self.flops_per_token / self.flops
-        swap = copy < recompute
-        if swap not in self.choices_logged:
-            self.choices_logged.add(swap)
-            logger.info(f"preemption {'swaps KV to host memory' if swap else 'recomputes KV'}: a copy out and back "
-                        f"at {self.bandwidth / 1e9:.1f} GB/s against the recompute at {self.flops / 1e12:.2f} TFLOP/s "
-                        f"({num_tokens} tokens: {copy * 1e3:.2f} vs {recompute * 1e3:.2f} ms)")
-        return swap
 
     def take(self, num_blocks: int) -> list[int]:
         """num_blocks free pool blocks (evicting cached prefix blocks where needed), ascending; the caller checked
@@ -140,13 +111,3 @@ class HostKVPool:
         self.free_blocks.extend(block for block, _ in self.cached.values())
         self.cached.clear()
 
-
-def _seconds(fn, device: torch.device) -> float:
-    fn()  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
