@@ -23,7 +23,7 @@ class ProcessorConfig:
     concurrency: int = 1  # LLM replicas
     batch_size: int = 64  # rows a replica takes at a time
     num_gpus: float | None = None  # a replica's; None: its tensor_parallel_size where Ray sees GPUs, else 0 (CPU)
-    num_cpus: float = 1
+    num_cpus: float | None = None  # a replica's; None: 1, or less where the replicas would leave no CPU to the rest
 
 
 class EngineStage:
@@ -70,10 +70,13 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
 
     if config.concurrency < 1 or config.batch_size < 1:
         raise ValueError(f"concurrency and batch_size must be >= 1, got {config.concurrency}, {config.batch_size}")
+    if not ray.is_initialized():
+        ray.init()  # what Ray Data would do at the first read: the cluster is known before anything starts
+    resources = ray.cluster_resources()
     num_gpus = config.num_gpus
     if num_gpus is None:
-        gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0)
-        num_gpus = config.engine_kwargs.get("tensor_parallel_size", 1) if gpus else 0
+        num_gpus = config.engine_kwargs.get("tensor_parallel_size", 1) if resources.get("GPU", 0) else 0
+    num_cpus = replica_cpus(config.concurrency, config.num_cpus, resources.get("CPU", 0))
 
     def process(dataset):
         if preprocess is not None:
@@ -82,7 +85,25 @@ def build_processor(config: ProcessorConfig, preprocess: Callable[[dict], dict] 
                                                                        engine_kwargs=config.engine_kwargs,
                                                                        **(stage_kwargs or {})),
                                       batch_size=config.batch_size, batch_format="pandas",
-                                      concurrency=config.concurrency, num_gpus=num_gpus, num_cpus=config.num_cpus)
+                                      compute=ray.data.ActorPoolStrategy(size=config.concurrency),
+                                      num_gpus=num_gpus, num_cpus=num_cpus)
         return dataset.map(postprocess) if postprocess is not None else dataset
 
     return process
+
+
+def replica_cpus(concurrency: int, num_cpus: float | None, cluster_cpus: float) -> float:
+    """The CPUs each replica reserves, leaving one of the cluster's to the tasks that read, preprocess and
+    postprocess rows (with every CPU held by replicas, those tasks wait for ever, and so do the replicas). None: 1,
+    or an equal share of all but one CPU where that is less; a number that leaves no CPU is an error."""
+    spare = cluster_cpus - 1
+    if num_cpus is None:
+        if spare <= 0:
+            raise ValueError(f"the Ray cluster has {cluster_cpus:g} CPU: the replicas and the tasks that read and "
+                             "preprocess rows need at least 2 (ray.init(num_cpus=2))")
+        return min(1.0, spare / concurrency)
+    if num_cpus < 0 or concurrency * num_cpus > spare:
+        raise ValueError(f"concurrency={concurrency} replicas of num_cpus={num_cpus:g} take {concurrency * num_cpus:g} "
+                         f"of the Ray cluster's {cluster_cpus:g} CPUs, leaving less than one to read and preprocess "
+                         "rows: lower concurrency or num_cpus, or leave num_cpus=None to fit them")
+    return num_cpus

@@ -89,8 +89,6 @@ def ray_server(args, model: str):
 
     from nanovllm.entrypoints.ray_data import ProcessorConfig, build_processor
 
-    if not ray.is_initialized():
-        ray.init()
     config = ProcessorConfig(args.model, engine_kwargs(args), concurrency=args.ray_replicas,
                              batch_size=max(1, args.chunk_size // args.ray_replicas))
     process = build_processor(config, stage=BatchLineStage, stage_kwargs=dict(served_model=model))
