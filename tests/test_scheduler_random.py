@@ -1,8 +1,9 @@
-"""Every admitted sequence finishes, or the engine says why it cannot. The scheduler under random load: random prompt lengths, max_tokens and n, shared prefixes, aborts mid-run, on
-KV caches from a few device blocks up, with a host pool (swap or recompute) and without, async scheduling on and off.
-Every request that is not aborted finishes with the greedy fp32 tokens of an engine with ample memory, no block of
-either tier leaks, and the steps stay within a bound (a spin would exceed it). Where no step can make progress, a
-NoProgressError names the waiting sequences and what to change, and keeps the outputs finished before it."""
+"""Every admitted sequence finishes, or the engine says why it cannot. The scheduler under random load: random
+prompt lengths, max_tokens and n, shared prefixes, aborts mid-run, on KV caches from a few device blocks up, with a
+host pool (swap or recompute) and without, async scheduling on and off. Every request that is not aborted finishes
+with the greedy fp32 tokens of an engine with ample memory, no block of either tier leaks, and the steps stay within
+a bound (a spin would exceed it). Where no step can make progress, a NoProgressError names the waiting sequences and
+what to change, and keeps the outputs finished before it."""
 import random
 
 import pytest
@@ -102,7 +103,8 @@ def test_a_sequence_no_kv_cache_can_hold_is_an_error_not_a_spin():
 
 def test_preemptions_that_undo_each_other_raise_and_keep_what_finished(tiny_model_dir, monkeypatch):
     """A scheduler made to preempt whatever runs before every step: the long prompt's chunks are recomputed for
-    ever (no prefix cache to keep them); the engine raises once the steps exceed four times its tokens, with the short prompt's output kept."""
+    ever (no prefix cache to keep them); the engine raises once the steps exceed four times its tokens, with the
+    short prompt's output kept."""
     llm = LLM(tiny_model_dir("tiny-llama"), device="cpu", max_model_len=128, max_num_batched_tokens=16,
               max_num_seqs=2, kv_cache_memory_bytes=16 << 20, enable_prefix_caching=False)
     scheduler = llm.llm_engine.scheduler
