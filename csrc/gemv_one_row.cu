@@ -32,8 +32,9 @@ constexpr int kWarps = kThreads / 32;
 // W's slice arrives in up to kChunks pieces (a row at least), ONE in flight at a time, copied by a producer warp
 // that does not wait for the kernel before. Why one at a time: the layer's next kernels stream their weights while
 // this one's critical path (the input row's L2 round trip, the hand-off to the next kernel) runs, and a kernel's
-// copies issued all at once (12 MB for Qwen3-0.6B's gate_up) slowed the hand-off beside them (scripts/kernel_phases.py:
-// qkv -> attention 1.7-2.2 us, 0.5 now). bs=1 decode of Qwen3-0.6B on the H100, two CTAs a SM (window of chunks in
+// copies issued all at once (12 MB for Qwen3-0.6B's gate_up) slowed the hand-off beside them (kernel_phases.py,
+// a one-off script in git history at 248c748: qkv -> attention 1.7-2.2 us, 0.5 now). bs=1 decode of Qwen3-0.6B
+// on the H100, two CTAs a SM (window of chunks in
 // flight / chunks): 1 / 3 1,415-1,419 tok/s, 1 / 4 1,403-1,409, 1 / 2 1,400-1,403, 1 / 6 1,387-1,391, 1 / 8
 // 1,373-1,376, 2 / 4 1,368-1,370, 2 / 8 1,369-1,372; all at once by thread 0 (the kernel before, with gate_up's
 // copies held 4 us) 1,369-1,371, all at once by the producer warp (gate_up held) 1,251-1,262. With the MLP's GEMVs
@@ -47,7 +48,7 @@ constexpr int kBlock = kThreads + 32;  // the compute warps, then the producer w
 // Whether this GEMV lets the next kernel launch only after its own PDL wait (late) rather than at its start. The
 // hardware places a launched kernel's CTAs wherever room appears, so a kernel launched early, while the SMs hold
 // the layer's earlier kernels unevenly, piles up on the SMs that empty first: in a bs=1 Qwen3-0.6B step on the
-// H100 (scripts/kernel_phases.py's stamps, 3 CTAs a SM intended) qkv's CTAs sat 1 to 9 to a SM, o's 1 to 8, down's
+// H100 (kernel_phases.py's stamps, at 248c748; 3 CTAs a SM intended) qkv's CTAs sat 1 to 9 to a SM, o's 1 to 8, down's
 // 1 to 7, and a kernel's last CTA, which the next kernel waits for, was always on a crowded SM (a CTA's mean end
 // after the wait grew ~300 ns for each CTA of its kernel beside it). Launched after the wait of the MLP's two
 // GEMVs, down and the next layer's qkv find SMs holding one kernel's CTAs, evenly placed: decode 1,558-1,562 tok/s

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
-#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|gemv|offload|weights|weights70|tp|tp4|dp]
+#   bash scripts/device_check.sh [tests|tests1|tests2|bench|all|big|peer|profile|offload|weights|weights70|tp|tp4|dp]
 # Slow tests (the bundled model, which the device cannot fetch) are left out. `tests` is tests1 then tests2;
 # together they take longer than one 10-minute device call (with flash_attn importable, ~190 tests ran in 540 s), so
 # a call runs one of them. tests2 alone is ~8-9 minutes (142 of test_triton_kernels.py's 240 tests ran in 300 s).
@@ -42,14 +42,8 @@ if [[ $what == bench || $what == all ]]; then
   done
   python3 bench.py --mode sweep --plot "$OUT/decode_vs_batch.png" 2>&1 | grep -v INFO | tee "$OUT/bench_sweep.md" | tail -9
 fi
-if [[ $what == profile ]]; then  # where the time goes: steps, kernels, and the two hot kernels alone
+if [[ $what == profile ]]; then  # where the time goes: the throughput run's steps and their kernels
   python3 scripts/profile_bench.py --trace 0:4 300:306 700:706 2>&1 | grep -v INFO | tee "$OUT/profile_bench.md" | tail -14
-  for n in 256 1; do python3 scripts/profile_step.py qwen3-0.6b $n 2>&1 | grep -v INFO > "$OUT/profile_step_$n.txt"; done
-  python3 scripts/attention_sweep.py 256 2048 2>&1 | tee "$OUT/attention_sweep.md" | tail -3
-  python3 scripts/gemv_sweep.py 2>&1 | tee "$OUT/gemv_sweep.md" | tail -3
-fi
-if [[ $what == gemv ]]; then  # one-row GEMVs kernel by kernel: the Triton GEMV against the CUDA one-row kernel
-  python3 scripts/gemv_sweep.py one_row 2>&1 | tee "$OUT/gemv_one_row.md" | tail -11
 fi
 if [[ $what == peer ]]; then  # after scripts/build_llama_cpp.sh
   python3 scripts/peer_llama_cpp.py F16 2>&1 | grep -v "INFO\|it/s" | tee "$OUT/peer_llama_cpp.md" | tail -4

@@ -49,29 +49,3 @@ def test_off_without_a_gpu_or_when_switched_off(monkeypatch):
     monkeypatch.setenv("NANOVLLM_X", "0")
     assert cuda_library.why_unavailable("gemv_one_row", torch.device("cuda"), "NANOVLLM_X") == "NANOVLLM_X=0"
 
-
-def test_kernel_phases_script_finds_its_anchors(monkeypatch):
-    """scripts/kernel_phases.py stamps the kernels at lines of their source: an edit that moves one must update
-    the script (stamped() asserts that each anchor occurs once)."""
-    monkeypatch.syspath_prepend(str(cuda_library.CSRC.parent / "scripts"))
-    import kernel_phases
-
-    for name, stamps in (("gemv_one_row", kernel_phases.GEMV_STAMPS),
-                         ("paged_decode_cluster", kernel_phases.ATTENTION_STAMPS)):
-        assert kernel_phases.stamped(name, stamps).count("STAMP(") == len(stamps) + 1  # and the macro
-
-
-def test_kernel_phases_keeps_the_first_decode_step_only(monkeypatch):
-    """The engine may run the next step before the records are read: the timeline keeps the CTAs that start before
-    the second step's first qkv GEMV (layer 0), and all of them when there is one step."""
-    monkeypatch.syspath_prepend(str(cuda_library.CSRC.parent / "scripts"))
-    import kernel_phases
-
-    def record(pointer, start):
-        return [kernel_phases.GEMV, pointer, 0, 0, start] + [0] * 27
-
-    owners = {1: (0, "qkv"), 2: (0, "o")}
-    one_step = [record(1, 0), record(1, 2_000), record(2, 5_000)]
-    two_steps = one_step + [record(1, 800_000), record(1, 801_000), record(2, 805_000)]
-    assert kernel_phases.first_step(two_steps, owners) == one_step
-    assert kernel_phases.first_step(one_step, owners) == one_step

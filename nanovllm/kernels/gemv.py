@@ -50,9 +50,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_w
 
 def launch_config(n: int, k: int, block_m: int = 16) -> dict:
     """Tile sizes that did best for each layer shape of Qwen3-0.6B and Llama-3-8B on the H100
-    (scripts/gemv_sweep.py; 32-64 rows: .scratch sweep of Qwen3-0.6B's shapes): narrow column blocks for narrow
-    outputs, long K tiles for long rows; with 32-64 rows of x, whose tiles share the pipeline's shared memory,
-    shorter K tiles and, for wide outputs, as many columns as rows."""
+    (a one-off sweep, scripts/gemv_sweep.py, in git history at 248c748; 32-64 rows: .scratch sweep of Qwen3-0.6B's
+    shapes): narrow column blocks for narrow outputs, long K tiles for long rows; with 32-64 rows of x, whose tiles
+    share the pipeline's shared memory, shorter K tiles and, for wide outputs, as many columns as rows."""
     if block_m == 16:
         block_k = 128 if k <= 1024 else 512
         return dict(block_n=16 if n <= 2048 else 32, block_k=block_k, num_stages=6 if block_k == 128 else 4,

@@ -167,7 +167,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits,
     new_kv: (k, v, slot_mapping) of this step's tokens, [B, kv_heads, D] each (strided rows of a fused qkv are
     fine), when they are not in the cache yet: the kernel attends to them and stores them (no store_kv).
     One split (large batches) reads 128-key tiles 3 stages deep: 2% faster than 64-key tiles at 256 sequences
-    on the H100 (scripts/attention_sweep.py 256 2048 configs 1), where this kernel is most of the step."""
+    on the H100 (a one-off sweep, `scripts/attention_sweep.py 256 2048 configs 1`, in git history at 248c748), where
+    this kernel is most of the step."""
     if lse is not None:
         num_splits = max(num_splits, 2)  # the merge kernel gives the log-sum-exp
     if block_n is None:
