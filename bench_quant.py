@@ -18,8 +18,8 @@ from bench import measure_hbm_bandwidth
 from nanovllm.kernels.gguf_gemv import KERNEL_TYPES
 from nanovllm.layers.gemv_linear import TritonGemvLinearMethod
 from nanovllm.layers.linear import ReplicatedLinear
-from nanovllm.quant.base_config import get_quantization_config
 from nanovllm.quant.gguf_weight import GGUFWeight
+from nanovllm.quant.registry import get_quantization_config
 from nanovllm.weights.synthetic_gguf import random_blocks
 
 sys.path.insert(0, "scripts")

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.linear import QKVLinear
-from nanovllm.quant.base_config import get_quantization_config
 from nanovllm.quant.quantize import dequantize_per_channel, quantize_int4, quantize_per_channel
+from nanovllm.quant.registry import get_quantization_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

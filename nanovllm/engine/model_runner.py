@@ -25,7 +25,7 @@ from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.logger import log_once, logger
 from nanovllm.models import get_model_class
-from nanovllm.quant.base_config import get_quantization_config
+from nanovllm.quant.registry import get_quantization_config
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.streaming.layer_streamer import LayerStreamer
 from nanovllm.streaming.placement import weights_do_not_fit

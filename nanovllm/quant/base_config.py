@@ -45,16 +45,3 @@ class QuantizationConfig:
             rows = "\n".join(f"  {kind:<14} x{count:<4} {path}" for (kind, path), count in sorted(paths.items()))
             logger.info(f"{self.describe()} (layer, count, path):\n{rows}")
 
-
-def get_quantization_config(name: str | None, device: torch.device, dtype: torch.dtype,
-                            use_kernels: bool) -> QuantizationConfig | None:
-    """The config of a resolved `quantization` (Config: "gguf", "fp8", "int8", "int4" or None for dense)."""
-    if name in ("gguf", "int4"):
-        from nanovllm.quant.gguf_linear import GGUFConfig
-
-        return GGUFConfig(device, dtype, use_kernels, int4=name == "int4")
-    if name in ("fp8", "int8"):
-        from nanovllm.quant.per_channel import PerChannelConfig
-
-        return PerChannelConfig(name, device, dtype, use_kernels)
-    return None
