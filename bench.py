@@ -13,50 +13,18 @@ import datetime
 import os
 import platform
 import random
-import tempfile
 import time
 
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.weights.bundled import bundled_model_path
-from nanovllm.weights.synthetic import SHAPES, write_config, write_model
-
-
-def resolve_model(name: str, dtype: torch.dtype, tokenizer_gguf: str | None = None, load_format: str = "auto") -> str:
-    """'smollm2', a synthetic shape ('llama3-8b'; with load_format "dummy" its config alone, the weights drawn at
-    load), a synthetic GGUF ('llama3-8b:Q4_K', its tokenizer from tokenizer_gguf or the bundled model), or a path."""
-    if name == "smollm2":
-        return bundled_model_path()
-    if name in SHAPES:
-        out_dir = tempfile.mkdtemp(prefix=f"nanovllm-{name}-")
-        return str(write_config(name, out_dir, dtype)[0] if load_format == "dummy" else write_model(name, out_dir, dtype))
-    shape, _, type_name = name.partition(":")
-    if shape in SHAPES and type_name:
-        from nanovllm.weights.synthetic_gguf import write_gguf
-
-        return str(write_gguf(shape, type_name, os.path.join(tempfile.mkdtemp(), f"{shape}-{type_name}.gguf"),
-                              tokenizer_gguf))
-    return name
+from nanovllm.utils.benchmarking import make_workload, measure_hbm_bandwidth, resolve_model
+from nanovllm.weights.synthetic import SHAPES
 
 
 def sync(device):
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def measure_hbm_bandwidth() -> float:
-    """Bytes read plus written per second of a large device-to-device copy."""
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 20 / (time.perf_counter() - start)
 
 
 def measure_bf16_flops() -> float:
@@ -70,13 +38,6 @@ def measure_bf16_flops() -> float:
         a @ b
     torch.cuda.synchronize()
     return 2 * 8192 ** 3 * 20 / (time.perf_counter() - start)
-
-
-def make_workload(args, vocab: int):
-    rng = random.Random(args.seed)
-    prompts = [[rng.randint(100, vocab - 1) for _ in range(rng.randint(*args.input_len))] for _ in range(args.num_seqs)]
-    out_lens = [rng.randint(*args.output_len) for _ in range(args.num_seqs)]
-    return prompts, out_lens
 
 
 def timed_generate(llm, prompts, params, device):

@@ -20,7 +20,6 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 assert os.environ.get("TRITON_INTERPRET") != "1", "compile_check compiles kernels: run it without TRITON_INTERPRET=1"
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles  # noqa: E402
 from nanovllm.kernels.activation import silu_and_mul  # noqa: E402
 from nanovllm.kernels.decode_inputs import advance_decode_inputs, prepare_decode_inputs  # noqa: E402

@@ -21,6 +21,7 @@ import time
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.utils.benchmarking import measure_hbm_bandwidth
 
 PEERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".peers")
 # shapes beside make_gguf.py's own: name -> its SHAPES entry
@@ -84,8 +85,6 @@ def main():
     ap.add_argument("qtypes", nargs="*", default=["F16"])
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPE_NAMES))
     args = ap.parse_args()
-    from bench import measure_hbm_bandwidth
-
     bw = measure_hbm_bandwidth()
     rows = []
     for qtype in args.qtypes:

@@ -9,16 +9,14 @@ usage: python scripts/profile_bench.py [same workload flags as bench.py] [--trac
 import argparse
 import collections
 import gc
-import sys
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 from triton.runtime.jit import JITFunction
 
-sys.path.insert(0, ".")
-from bench import make_workload, measure_hbm_bandwidth, resolve_model  # noqa: E402
-from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.benchmarking import make_workload, measure_hbm_bandwidth, resolve_model
 
 
 def report_window(prof, name: str):
