@@ -7,9 +7,9 @@ import torch
 from helpers import kernel_tol
 from test_triton_kernels import _paged_cache, _rotary_and_norms
 
-from nanovllm.attention.metadata import DecodeRope
 from nanovllm.attention.torch_backend import context_slots, decode_reference
 from nanovllm.kernels import paged_decode_cluster as cluster
+from nanovllm.kernels.attention_inputs import DecodeRope
 
 CASES = [  # (seq_lens, page, heads, kv_heads, head_dim)
     ([1], 16, 16, 8, 128),

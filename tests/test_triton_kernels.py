@@ -7,10 +7,10 @@ import triton
 import triton.language as tl
 from helpers import kernel_tol
 
-from nanovllm.attention.metadata import prefill_tile_tokens, prefill_tiles
 from nanovllm.attention.torch_backend import context_slots, decode_reference, prefill_reference, store_kv_reference
 from nanovllm.engine.cuda_graph import graph_batch_sizes, max_prefill_tiles, prefill_graph_sizes
 from nanovllm.kernels import decode_inputs
+from nanovllm.kernels.attention_inputs import prefill_tile_tokens, prefill_tiles
 from nanovllm.kernels.gemv import gemv, gemv_reference
 from nanovllm.kernels.kv_store import store_kv
 from nanovllm.kernels.paged_attention import decode_num_splits, paged_decode, paged_prefill

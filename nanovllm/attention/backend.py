@@ -1,6 +1,7 @@
 import torch
 
-from nanovllm.attention.metadata import AttentionMetadata, DecodeRope
+from nanovllm.attention.metadata import AttentionMetadata
+from nanovllm.kernels.attention_inputs import DecodeRope
 
 
 class AttentionBackend:

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.attention.metadata import prefill_tile_tokens
+from nanovllm.kernels.attention_inputs import prefill_tile_tokens
 from nanovllm.kernels.pdl import pdl_launch, wait_then_release
 
 

@@ -7,8 +7,8 @@ import ctypes
 
 import torch
 
-from nanovllm.attention.metadata import DecodeRope
 from nanovllm.kernels import cuda_library, pdl
+from nanovllm.kernels.attention_inputs import DecodeRope
 from nanovllm.logger import log_once
 
 # splits of one (sequence, kv head), one thread-block cluster: bs=1 decode of Qwen3-0.6B on the H100 ran 1,128 /

@@ -2,7 +2,7 @@ import torch
 from torch import nn
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata
-from nanovllm.attention.metadata import DecodeRope
+from nanovllm.kernels.attention_inputs import DecodeRope
 
 
 class Attention(nn.Module):

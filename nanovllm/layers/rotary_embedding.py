@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from nanovllm.attention.metadata import DecodeRope
+from nanovllm.kernels.attention_inputs import DecodeRope
 from nanovllm.layers.custom_op import CustomOp
 
 
