@@ -7,12 +7,22 @@ as Q4_1 in groups of 128) so far (KERNEL_TYPES); Q5_0/1 and Q6_K ran at 3-6% of 
 dequantized at load instead. With DEQUANT the same kernels write the dense weight instead (gguf_dequantize), for
 cuBLAS past MAX_ROWS rows. quant/gguf_linear.py picks among them and the CUDA one-row kernel (docs/benchmarks.md:
 their bandwidth)."""
+from typing import Protocol
+
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.kernels.pdl import pdl_launch, wait_then_release
-from nanovllm.quant.gguf_weight import GGUFWeight
+
+
+class BlockWeight(Protocol):
+    """What the kernels read of a weight kept quantized (quant.gguf_weight.GGUFWeight): its GGUF type, (N, K), and
+    its blocks' fields, one tensor a field ([N, ...] rows)."""
+    type_name: str
+    shape: tuple[int, int]
+    fields: dict[str, torch.Tensor]
+
 
 MAX_ROWS = 256  # past it, Triton dequantize + cuBLAS (the crossover above 256 rows is not measured yet)
 
@@ -188,7 +198,7 @@ def _gemv_q4_k_kernel(x_ptr, d_ptr, dmin_ptr, scales_ptr, q_ptr, qh_ptr, y_ptr, 
     _store_rows(acc, y_ptr, rows, row_ok, cols, col_ok, stride_ym, DEQUANT)
 
 
-def gguf_gemv(x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor | None = None, **launch) -> torch.Tensor:
+def gguf_gemv(x: torch.Tensor, weight: BlockWeight, out: torch.Tensor | None = None, **launch) -> torch.Tensor:
     """x: [M, K] (rows contiguous) -> [M, N] in x's dtype. out: [M, N] to write into, else a new tensor. launch:
     block_m, block_n, blocks, num_warps (default: launch_config(M))."""
     n, k = weight.shape
@@ -204,7 +214,7 @@ def gguf_gemv(x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor | None = No
 DEQUANT_LAUNCH = {"Q4_0": (16, 4), "INT4_G128": (16, 8), "Q8_0": (8, 8), "Q4_K": (8, 4)}
 
 
-def gguf_dequantize(weight: GGUFWeight, dtype: torch.dtype) -> torch.Tensor:
+def gguf_dequantize(weight: BlockWeight, dtype: torch.dtype) -> torch.Tensor:
     """The dense [N, K] weight in dtype: the same values the GEMV multiplies (its twin: weight.dequantize())."""
     w = torch.empty(weight.shape, dtype=dtype, device=weight.fields["d"].device)
     blocks, num_warps = DEQUANT_LAUNCH.get(weight.type_name, (16, 4))
@@ -212,7 +222,7 @@ def gguf_dequantize(weight: GGUFWeight, dtype: torch.dtype) -> torch.Tensor:
     return w
 
 
-def _launch(x, weight: GGUFWeight, y, m: int, dequant: bool, block_m: int, block_n: int, blocks: int,
+def _launch(x, weight: BlockWeight, y, m: int, dequant: bool, block_m: int, block_n: int, blocks: int,
             num_warps: int):
     """The type's kernel over the weight's rows: y = x W^T, or with dequant W into y (x is then unused)."""
     n, k = weight.shape

@@ -7,7 +7,7 @@ import ctypes
 import torch
 
 from nanovllm.kernels import cuda_library, pdl
-from nanovllm.quant.gguf_weight import GGUFWeight
+from nanovllm.kernels.gguf_gemv import BlockWeight
 
 TYPES = {"Q4_0": 0, "Q4_1": 1, "Q4_K": 2, "INT4_G128": 3}
 
@@ -21,12 +21,12 @@ def why_off(device: torch.device) -> str | None:
         "one-row GEMVs of GGUF weights run the Triton GEMV: the CUDA one is off ({reason})")
 
 
-def serves(x: torch.Tensor, weight: GGUFWeight) -> bool:
+def serves(x: torch.Tensor, weight: BlockWeight) -> bool:
     return (weight.type_name in TYPES and x.dtype == torch.float16 and x.is_contiguous() and x.numel() == x.shape[-1]
             and x.data_ptr() % 16 == 0 and why_off(x.device) is None)
 
 
-def gguf_gemv_one_row(x: torch.Tensor, weight: GGUFWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+def gguf_gemv_one_row(x: torch.Tensor, weight: BlockWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [1, K] fp16 that serves() -> [1, N]; out: [1, N] (contiguous) to write into, else a new tensor."""
     n, k = weight.shape
     f = weight.fields
