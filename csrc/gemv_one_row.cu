@@ -243,7 +243,7 @@ cudaError_t launch_share(const void* x, const void* w, const void* bias, void* y
 // An instance per share of the input row a thread holds (K <= 1024, 2048, 3072, 4096), and one with K a constant
 // where K is exactly that (Qwen3-0.6B's 1024 / 2048 / 3072): no code for other Ks, no remainder loops. A bs=1
 // layer cycles through four of these kernels and a decode attention kernel, and alternating kernels pay for
-// instruction fetch once their code outgrows the SM's cache (a microbenchmark, docs/benchmarks.md: five 32 KB kernels in turn
+// instruction fetch once their code outgrows the SM's cache (a microbenchmark, docs/design-notes.md: five 32 KB kernels in turn
 // cost ~4.6 us a launch more than one). Qwen3-0.6B's layer runs 44 KB of GEMV code instead of 73 KB unrolled for
 // K = 4096 everywhere: bs=1 decode on the H100 1,243 -> 1,275 tok/s with the share instances, -> 1,348 with the
 // constant K (with the weights in L2 the share instances alone changed nothing, so fewer instructions on the
