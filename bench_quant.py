@@ -9,21 +9,17 @@ Types: the GGUF kernel types (fp16 x, the GGUF default), INT4_G128 (quantization
 """
 import argparse
 import datetime
-import sys
 
 import numpy as np
 import torch
 
-from bench import measure_hbm_bandwidth
 from nanovllm.kernels.gguf_gemv import KERNEL_TYPES
 from nanovllm.layers.gemv_linear import TritonGemvLinearMethod
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.quant.gguf_weight import GGUFWeight
 from nanovllm.quant.registry import get_quantization_config
+from nanovllm.utils.benchmarking import copies_needed, graph_time, measure_hbm_bandwidth
 from nanovllm.weights.synthetic_gguf import random_blocks
-
-sys.path.insert(0, "scripts")
-from gpu_timing import copies_needed, graph_time  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # Llama-3-8B
 TYPES = [*KERNEL_TYPES, "int8", "fp8"]
