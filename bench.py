@@ -18,7 +18,14 @@ import time
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.benchmarking import make_workload, measure_hbm_bandwidth, resolve_model
+from nanovllm.utils.benchmarking import (
+    count_bytes_read,
+    kv_bytes_per_token,
+    make_workload,
+    measure_hbm_bandwidth,
+    resolve_model,
+    weight_bytes_per_step,
+)
 from nanovllm.weights.synthetic import SHAPES
 
 
@@ -72,14 +79,14 @@ def run_ours(args, model, prompts, out_lens, dtype):
     timed_generate(llm, prompts[:2], SamplingParams(max_tokens=4), args.device)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, seed=i, detokenize=False)
               for i, n in enumerate(out_lens)]
-    runner = llm.llm_engine.model_runner
+    bytes_read = count_bytes_read(llm.llm_engine.model_runner)
     runs = []  # (seconds, bytes read) of each timed run
     for _ in range(args.repeat):
         assert llm.reset_prefix_cache()  # every run computes every prompt token
-        before = runner.bytes_read
+        before = bytes_read[0]
         seconds, outs = timed_generate(llm, prompts, params, args.device)
         assert [len(o.outputs[0].token_ids) for o in outs] == out_lens
-        runs.append((seconds, runner.bytes_read - before))
+        runs.append((seconds, bytes_read[0] - before))
     return runs, llm
 
 
@@ -160,11 +167,11 @@ def bench_decode1(args, model, dtype):
         runs.append(255 / (seconds - prefill))
     decode_tps = sorted(runs)[len(runs) // 2]
     runner = llm.llm_engine.model_runner
-    bw = measure_hbm_bandwidth()
-    bound = bw / (runner.weight_bytes + runner.kv_bytes_per_token * 640)
+    bw, weight_bytes = measure_hbm_bandwidth(), weight_bytes_per_step(runner.model)
+    bound = bw / (weight_bytes + kv_bytes_per_token(runner) * 640)
     print(header(args, dtype, f"bs=1, prompt 512, 256 new tokens, greedy, median of {args.repeat} run(s)"))
     print("| decode tok/s | weight-read bound tok/s | ratio | weights GB | HBM TB/s | runs |\n|---|---|---|---|---|---|")
-    print(f"| {decode_tps:.0f} | {bound:.0f} | {decode_tps / bound:.0%} | {runner.weight_bytes / 1e9:.2f} | {bw / 1e12:.2f} "
+    print(f"| {decode_tps:.0f} | {bound:.0f} | {decode_tps / bound:.0%} | {weight_bytes / 1e9:.2f} | {bw / 1e12:.2f} "
           f"| {' / '.join(f'{r:.0f}' for r in runs)} |")
 
 
@@ -190,7 +197,8 @@ def bench_sweep(args, model, dtype):
         seconds, _ = timed_generate(llm, prompts, SamplingParams(max_tokens=128, **greedy), args.device)
         tps = bs * 127 / (seconds - prefill)
         mean_context = 512 + 64  # tokens of KV read a step, averaged over the 128 new tokens
-        bound = bs * bw / (runner.weight_bytes + bs * mean_context * runner.kv_bytes_per_token) if bw else None
+        bound = bs * bw / (weight_bytes_per_step(runner.model) + bs * mean_context * kv_bytes_per_token(runner)) \
+            if bw else None
         rows.append((bs, tps, bound))
     print(header(args, dtype, "decode tok/s against batch size: 512-token prompts, 128 new tokens, greedy"))
     print("| batch size | decode tok/s | HBM bound tok/s | ratio |\n|---|---|---|---|")

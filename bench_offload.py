@@ -39,6 +39,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.comm import sgdma
 from nanovllm.streaming.layer_file import aligned
 from nanovllm.streaming.layer_streamer import streamed_bytes
+from nanovllm.utils.benchmarking import kv_bytes_per_token
 
 LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -149,7 +150,7 @@ def long_rows(args, model: str, prompt_len: int, bw: float):
         decode = (args.output_len - 1) / (generate_seconds(llm, [prompt], args.output_len) - prefill)
         runner = llm.llm_engine.model_runner
         path = "a layer at a time" if runner.layer_major is not None and runner.layer_major.runs else "chunked"
-        figures[name] = (prompt_len / prefill, decode, runner.kv_bytes_per_token, path)
+        figures[name] = (prompt_len / prefill, decode, kv_bytes_per_token(runner), path)
         del llm, runner
         free_gpu_memory()
     offloaded_tokens = prompt_len + args.output_len // 2 - args.gpu_tokens

@@ -1,3 +1,4 @@
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -165,7 +166,7 @@ class Config:
             q = "gguf" if self.device != "cpu" else None
             if q is None:
                 log_once("GGUF on CPU: weights dequantized to fp32 at load, the fastest CPU path here; "
-                         "quantization='gguf' keeps them quantized in RAM")
+                         "quantization='gguf' keeps them quantized in RAM", logging.DEBUG)
         return None if q == "none" else q
 
     def _resolve_dtype(self, hf_config, fmt: str, quantization: str | None) -> torch.dtype:
@@ -183,7 +184,7 @@ class Config:
                     dtype = torch.float16
                 elif dtype not in (torch.float16, torch.bfloat16):
                     dtype = torch.bfloat16
-            log_once(f"dtype='auto' resolved to {dtype} on {self.device}")
+            log_once(f"dtype='auto' resolved to {dtype} on {self.device}", logging.DEBUG)
         else:
             _require(self.dtype in _DTYPES, f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
             dtype = _DTYPES[self.dtype]

@@ -5,6 +5,7 @@ from itertools import count
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config, require_gpus
+from nanovllm.distributed.main_guard import require_main_guard
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.scheduler import NoProgressError
 from nanovllm.engine_args import check_vllm_args
@@ -57,6 +58,9 @@ class LLM:
         """nanovllm's own arguments are named here; **kwargs takes vLLM's other engine arguments
         (nanovllm.engine_args: accepted where they ask for nothing nanovllm lacks)."""
         check_vllm_args(kwargs)
+        for setting, size in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
+            if isinstance(size, int) and size > 1:
+                require_main_guard(f"{setting}={size}")
         # as given: the data-parallel replicas are built from the same arguments
         engine_args = dict(
             tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -176,6 +180,9 @@ class LLM:
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
                     chat_template_kwargs: dict | None = None) -> dict:
         """One conversation through the model's chat template: {"prompt": text, "prompt_token_ids": ids}."""
+        for i, message in enumerate(conversation):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+                raise ValueError(f"chat message {i} must be a dict with a 'role' string and 'content': got {message!r}")
         tokenizer = self.get_tokenizer()
         text = tokenizer.apply_chat_template(
             conversation, chat_template=chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,

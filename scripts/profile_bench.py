@@ -16,7 +16,13 @@ from torch.profiler import ProfilerActivity, profile
 from triton.runtime.jit import JITFunction
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.utils.benchmarking import make_workload, measure_hbm_bandwidth, resolve_model
+from nanovllm.utils.benchmarking import (
+    kv_bytes_per_token,
+    make_workload,
+    measure_hbm_bandwidth,
+    resolve_model,
+    weight_bytes_per_step,
+)
 
 
 def report_window(prof, name: str):
@@ -54,6 +60,7 @@ llm = LLM(model, max_num_batched_tokens=args.max_num_batched_tokens)  # bench.py
 llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4), use_tqdm=False)
 engine = llm.llm_engine
 runner = engine.model_runner
+weight_bytes = weight_bytes_per_step(runner.model)
 launched = []
 launch = runner.launch
 
@@ -140,7 +147,7 @@ while engine.has_unfinished_requests():
     g = groups[key]
     g[0] += 1
     g[1] += dt
-    g[2] += runner.weight_bytes + context * runner.kv_bytes_per_token
+    g[2] += weight_bytes + context * kv_bytes_per_token(runner)
     g[3] += waited[0]
     g[4] += waited[0] < HOST_BOUND_WAIT
 total = time.perf_counter() - start - traced  # less the reporting of traced windows

@@ -170,13 +170,20 @@ def test_weights_that_run_the_device_out_of_memory_say_what_makes_room(tmp_path,
     error that gives the model's size and the settings that make room, before anything else starts."""
     import torch
 
-    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.engine import model_loader
     from nanovllm.weights.synthetic import write_config
 
     def out_of_memory(*args):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.96 GiB")
 
-    monkeypatch.setattr(ModelRunner, "_build_model", out_of_memory)
+    monkeypatch.setattr(model_loader, "_build", out_of_memory)
     path = str(write_config("llama3-70b", tmp_path, torch.bfloat16)[0])
     with pytest.raises(torch.OutOfMemoryError, match=r"70\.6B parameters: 131\.4 GiB at bfloat16 .*cpu_offload_gb"):
         LLM(path, load_format="dummy", dtype="bfloat16", max_model_len=256)
+
+
+@pytest.mark.parametrize("message", [{"content": "hi"}, {"role": "user"}, {"role": 3, "content": "hi"}, "hi"])
+def test_a_chat_message_without_role_or_content_names_it(tiny_llm, message):
+    with pytest.raises(ValueError, match=r"chat message 1 must be a dict with a 'role' string and 'content'"):
+        tiny_llm.chat([{"role": "user", "content": "hello"}, message], use_tqdm=False)
+    assert_no_leaks(tiny_llm)

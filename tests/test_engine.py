@@ -223,13 +223,13 @@ def test_async_scheduling_pipelines_prompt_chunks(tiny_model_dir):
 def test_steady_decode_continues_only_the_same_batch_and_sends_only_new_blocks():
     """The runner's steady decode (CUDA graphs with inputs left on the device) goes on only for the very same
     sequences in the same order, each decoding; it sends the block table entries the device lacks, once."""
-    from nanovllm.engine.model_runner import SteadyDecode
+    from nanovllm.engine.input_batch import SteadyDecode
     from nanovllm.engine.sequence import Sequence
 
     seqs = [Sequence(str(i), 0, [1, 2, 3], SamplingParams(), seed=i, arrival=i) for i in range(3)]
     for i, seq in enumerate(seqs):
         seq.block_table, seq.num_scheduled_tokens = [10 * i, 10 * i + 1], 1
-    steady = SteadyDecode(seqs, [len(s.block_table) for s in seqs], context_tokens=0, max_seq_len=0)
+    steady = SteadyDecode(seqs, [len(s.block_table) for s in seqs], max_seq_len=0)
     assert steady.continues(list(seqs))
     assert not steady.continues(seqs[:2]) and not steady.continues(seqs[::-1])
     other = Sequence("3", 0, [1, 2, 3], SamplingParams(), seed=3, arrival=3)

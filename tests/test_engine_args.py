@@ -107,8 +107,9 @@ def test_generate_refuses_what_it_cannot_serve(tiny_llm):
 
 
 def test_the_kv_cache_log_gives_its_concurrency_for_max_model_len(tiny_model_dir, caplog):
-    """vLLM's "maximum concurrency" line: how many sequences of max_model_len the KV cache holds at once."""
+    """vLLM's "maximum concurrency" figure: how many sequences of max_model_len the KV cache holds at once, in the
+    execution plan's KV cache row."""
     with caplog.at_level("INFO", logger="nanovllm"):
         LLM(tiny_model_dir("tiny-llama"), device="cpu", max_model_len=128, num_gpu_blocks_override=24, block_size=16)
-    assert "KV cache: 24 blocks of 16 tokens" in caplog.text
+    assert "execution plan:" in caplog.text and "KV cache     24 blocks of 16 tokens" in caplog.text
     assert "maximum concurrency for 128 tokens a sequence: 3.00x" in caplog.text

@@ -179,12 +179,12 @@ def test_dropping_the_engine_ends_its_workers(tiny_model_dir):
 def test_rank_0_failing_while_building_ends_the_workers_waiting_in_a_collective(tiny_model_dir, monkeypatch):
     """Rank 0 fails before the KV cache's block-count all-reduce, which the worker has entered: the error comes back
     at once (the worker is ended, not told to exit through a collective it cannot join)."""
-    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.kvcache import kv_cache
 
-    def fail(self):
+    def fail(*args):
         raise ValueError("rank 0 failed on purpose")
 
-    monkeypatch.setattr(ModelRunner, "_num_kv_blocks", fail)  # rank 0's class only: the worker is another process
+    monkeypatch.setattr(kv_cache, "num_device_blocks", fail)  # rank 0's module only: the worker is another process
     started = time.monotonic()
     with pytest.raises(ValueError, match="on purpose"):
         LLM(tiny_model_dir("tiny-llama"), device="cpu", dtype="float32", max_model_len=128,

@@ -1,3 +1,5 @@
+import logging
+
 import torch
 
 from nanovllm.attention.backend import AttentionBackend
@@ -57,5 +59,5 @@ def get_attention_backend(name: str | None, device: str, max_model_len: int, blo
         from nanovllm.attention.torch_backend import TorchAttentionBackend
 
         backend = TorchAttentionBackend()
-    log_once(f"attention backend: {backend.name} on {device}")
+    log_once(f"attention backend: {backend.name} on {device}", logging.DEBUG)
     return backend

@@ -8,6 +8,7 @@ broadcast inside the sampling graph). Only rank 0's results are read. A worker t
 traceback on a queue and exits; rank 0 raises with them at its next command or step, and a watchdog ends rank 0's
 process where it would wait forever on the dead worker's collectives."""
 import dataclasses
+import logging
 import math
 import multiprocessing
 import os
@@ -18,6 +19,7 @@ import weakref
 
 import torch
 
+from nanovllm.distributed.main_guard import require_main_guard
 from nanovllm.distributed.parallel_state import (
     broadcast,
     broadcast_command,
@@ -133,6 +135,7 @@ class TensorParallelWorkers:
 
     def __init__(self, config, stop_token_ids: set[int]):
         size = config.tensor_parallel_size
+        require_main_guard(f"tensor_parallel_size={size}")
         init_method = local_init_method()
         context = multiprocessing.get_context("spawn")
         self.errors = context.Queue()
@@ -144,7 +147,7 @@ class TensorParallelWorkers:
         device = torch.device(config.device)
         if device.type == "cpu":
             share_cpu_threads(size)
-        log_once(f"tensor parallel over {size} {'GPUs' if device.type == 'cuda' else 'CPU processes (gloo)'}")
+        log_once(f"tensor parallel over {size} {'GPUs' if device.type == 'cuda' else 'CPU processes (gloo)'}", logging.DEBUG)
         self._leading = False
         self._reported = threading.Event()  # rank 0 has raised a worker's failure (the watchdog then lets it be)
         self._closing = threading.Event()

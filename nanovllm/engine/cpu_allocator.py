@@ -5,6 +5,7 @@ step's large activations fault in their pages again: over a million page faults 
 SmolLM2 here, about 13% of its time. Keeping freed memory in the heap makes later steps reuse warm pages."""
 import ctypes
 import ctypes.util
+import logging
 import sys
 
 from nanovllm.logger import log_once
@@ -31,7 +32,7 @@ def keep_freed_memory() -> bool:
                             and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES) == 1)
     if ok:
         log_once("CPU: glibc malloc keeps freed memory (mmap threshold 64 MiB, no trimming), so activations "
-                 "reuse warm pages between steps")
+                 "reuse warm pages between steps", logging.DEBUG)
     else:
         log_once("CPU: glibc mallopt is not available here; large activations page-fault on every step")
     _outcome = ok

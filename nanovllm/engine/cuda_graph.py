@@ -12,8 +12,10 @@ import torch
 
 from nanovllm.attention.metadata import AttentionMetadata, prefill_tile_tokens
 from nanovllm.distributed.parallel_state import broadcast
+from nanovllm.engine.input_batch import ALIGN, round_up
 from nanovllm.kernels.decode_inputs import advance_decode_inputs, prepare_decode_inputs
 from nanovllm.kernels.sampling import gumbel_argmax
+from nanovllm.logger import logger
 
 TOKEN_RING_ROWS = 4  # > the steps in flight: the host reads a step's row before the step after the next is launched
 # decode buckets up to this size also get one graph of the step and its sampling together (run_steady): one graph
@@ -288,3 +290,24 @@ class PrefillCUDAGraphRunner:
         self.tiles[:, used:self._num_tiles(tokens)].fill_(-1)
         self.graphs[tokens].replay()
         return self.hidden[:n]
+
+
+def capture_graphs(model, config, plan, backend, gqa_group: int) -> tuple[CUDAGraphRunner, PrefillCUDAGraphRunner | None]:
+    """The decode graphs, and where the plan says so the prefill graphs, sharing one memory pool."""
+    mc, block_size, num_blocks = config.model_config, plan.kv.block_size, plan.kv.num_gpu_blocks
+    blocks_per_seq = round_up(-(-mc.max_model_len // block_size), ALIGN)
+    decode = CUDAGraphRunner(model, min(config.max_num_seqs, 512), blocks_per_seq,
+                             lambda bs: backend.decode_context_bounds(bs, mc.max_model_len), block_size, num_blocks,
+                             mc.vocab_size, plan.dtype, plan.device)
+    pool = decode.capture()
+    logger.debug(f"captured CUDA graphs for decode batch sizes {decode.batch_sizes[0]}..{decode.batch_sizes[-1]} "
+                 f"(with the LM head), at context bounds {decode.context_bounds[1]} for one sequence")
+    if not plan.prefill_graphs:
+        return decode, None
+    prefill = PrefillCUDAGraphRunner(model, config.max_num_batched_tokens, config.max_num_seqs, blocks_per_seq,
+                                     mc.max_model_len, block_size, num_blocks, mc.hf_config.hidden_size, gqa_group,
+                                     plan.dtype, plan.device)
+    prefill.capture(pool)
+    logger.debug(f"captured CUDA graphs for steps with prefills of {prefill.token_counts[0]}.."
+                 f"{prefill.token_counts[-1]} tokens")
+    return decode, prefill

@@ -7,9 +7,10 @@ from nanovllm.config import Config
 from nanovllm.distributed.workers import TensorParallelWorkers
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer
-from nanovllm.engine.model_runner import ModelRunner, TokenLogprobs
+from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import NoProgressError, Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.logprobs import TokenLogprobs
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.weights.model_files import load_tokenizer
@@ -53,7 +54,7 @@ class LLMEngine:
             raise
         if self.workers is not None:
             self.workers.follow(self.model_runner)
-        self.block_manager = BlockManager(self.model_runner.num_blocks, config.block_size,
+        self.block_manager = BlockManager(self.model_runner.plan.kv.num_gpu_blocks, config.block_size,
                                           config.enable_prefix_caching, self.model_runner.host_pool)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.model_runner.layer_major is not None, self.model_runner.preemption)

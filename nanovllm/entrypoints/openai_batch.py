@@ -61,7 +61,8 @@ def parse_request(line_number: int, text: str) -> BatchRequest:
 
 
 def output_line(request: BatchRequest, output: RequestOutput, model: str) -> dict:
-    """The OpenAI batch output entry of a served request."""
+    """The OpenAI batch output entry of a served request; its `model` is the request's (as vLLM's server echoes it),
+    else `model` (the served model name)."""
     usage = {"prompt_tokens": len(output.prompt_token_ids),
              "completion_tokens": sum(len(c.token_ids) for c in output.outputs)}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -73,7 +74,7 @@ def output_line(request: BatchRequest, output: RequestOutput, model: str) -> dic
         choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": None}
                    for c in output.outputs]
         body = {"id": f"cmpl-{request.line}", "object": "text_completion"}
-    body.update(created=int(time.time()), model=model, choices=choices, usage=usage)
+    body.update(created=int(time.time()), model=request.body.get("model") or model, choices=choices, usage=usage)
     return {"id": f"batch_req_{request.line}", "custom_id": request.custom_id,
             "response": {"status_code": 200, "request_id": body["id"], "body": body}, "error": None}
 

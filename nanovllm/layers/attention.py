@@ -3,6 +3,7 @@ from torch import nn
 
 from nanovllm.attention import AttentionBackend, AttentionMetadata
 from nanovllm.kernels.attention_inputs import DecodeRope
+from nanovllm.kvcache.spec import PagedAttentionSpec
 
 
 class Attention(nn.Module):
@@ -16,6 +17,12 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.layer_index = 0
         self.offload_engine = None  # with a host pool: attends to KV blocks offloaded there
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> PagedAttentionSpec:
+        return PagedAttentionSpec(block_size, self.num_kv_heads, self.head_dim, dtype)
+
+    def bind_kv_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 rope: DecodeRope | None = None) -> torch.Tensor:

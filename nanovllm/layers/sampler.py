@@ -4,7 +4,10 @@ Randomness comes from a counter-based hash of (sequence seed, output position, t
 request draws the same tokens whatever else is in the batch, and after a preemption too."""
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from nanovllm.device_arrays import to_device
 
 
 def _uint32_bits(x: torch.Tensor) -> torch.Tensor:
@@ -94,6 +97,49 @@ class SamplingTensors:
     def temperature_only(self) -> bool:
         """No knob but temperature: sampling is one fused pass over the logits."""
         return self.steady and not self.any_top_k_p and not self.any_min_p
+
+
+def prepare_sampling(seqs, vocab_size: int, stop_token_ids: list[int], device: torch.device) -> SamplingTensors:
+    """The knobs of seqs' SamplingParams (and their seeds and output counts) as [B] tensors on device."""
+    params = [s.params for s in seqs]
+    # every per-row knob in two arrays: two host-to-device copies a step instead of eleven
+    floats = to_device(np.array([[p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                                  p.repetition_penalty] for p in params], dtype=np.float32).T.copy(), torch.float32, device)
+    ints = to_device(np.array([[p.top_k or vocab_size, s.seed, s.num_output_tokens] for p, s in zip(params, seqs)],
+                              dtype=np.int64).T.copy(), torch.int64, device)
+    counts = prompt_mask = None
+    if any(p.has_penalties for p in params):
+        counts, prompt_mask = _token_occurrences(seqs, vocab_size, device)
+    banned_rows, banned_ids = [], []
+    for row, seq in enumerate(seqs):
+        if seq.num_output_tokens < seq.params.min_tokens:
+            stops = stop_token_ids + seq.params.stop_token_ids
+            banned_rows += [row] * len(stops)
+            banned_ids += stops
+    banned = to_device(np.array([banned_rows, banned_ids], dtype=np.int64), torch.int64, device) if banned_rows else None
+    logprob_counts = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingTensors(
+        temperature=floats[0], top_p=floats[1], min_p=floats[2], presence_penalty=floats[3],
+        frequency_penalty=floats[4], repetition_penalty=floats[5], top_k=ints[0], seeds=ints[1], steps=ints[2],
+        output_counts=counts, prompt_mask=prompt_mask, banned=(banned[0], banned[1]) if banned_rows else None,
+        all_greedy=all(p.greedy for p in params),
+        any_top_k_p=any(p.top_k or p.top_p < 1 for p in params), any_min_p=any(p.min_p > 0 for p in params),
+        max_logprobs=max(logprob_counts, default=-1))
+
+
+def _token_occurrences(seqs, vocab_size: int, device: torch.device):
+    """[B, V] counts of each output token and a mask of prompt tokens, built by scatter on device."""
+    def occurrences(lists):
+        ids = np.full((len(lists), max(1, max(len(x) for x in lists))), vocab_size, dtype=np.int64)
+        for i, x in enumerate(lists):  # the pad id lands in a spare column
+            ids[i, :len(x)] = x
+        ids = to_device(ids, torch.int64, device)
+        counts = torch.zeros(len(lists), vocab_size + 1, device=device)
+        return counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))[:, :-1]
+
+    outputs = occurrences([s.output_token_ids for s in seqs])
+    prompts = occurrences([s.token_ids[:s.num_prompt_tokens] for s in seqs]) > 0
+    return outputs, prompts
 
 
 def apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -66,7 +66,7 @@ class LayerStreamer:
         if layer_file is not None:
             require_disk_space(placement.bytes_of(placement.disk), folder, f"disk_offload_gb={disk_offload_gb:g}")
         where = f"; on disk in {layer_file.path}" if layer_file else ""
-        logger.info(f"weights (cpu_offload_gb={cpu_offload_gb:g}, disk_offload_gb={disk_offload_gb:g}{where}):\n"
+        logger.debug(f"weights (cpu_offload_gb={cpu_offload_gb:g}, disk_offload_gb={disk_offload_gb:g}{where}):\n"
                     f"{placement.table()}")
         return cls(layers, placement.streamed, device, disk=placement.disk, layer_file=layer_file)
 

@@ -81,3 +81,37 @@ def graph_time(calls, replays: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / (replays * len(calls))
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of weights that one step reads: each parameter, buffer and quantized weight once (a tied LM head and
+    embedding once), except an input embedding that the LM head does not share: a step reads only its tokens' rows
+    of that."""
+    embed = model.model.embed_tokens
+    head = {id(t) for t in [model.lm_head.weight, *(w for _, w in getattr(model.lm_head, "qweights", []))]}
+    # parameters and persistent buffers (an int8 / fp8 weight and its scales), not the rotary tables
+    weights = {id(t): t.numel() * t.element_size() for t in model.state_dict(keep_vars=True).values() if not t.is_meta}
+    for module in model.modules():
+        weights.update((id(w), w.nbytes) for _, w in getattr(module, "qweights", []))
+    for table in (embed.weight, embed.qweight):
+        if table is not None and id(table) not in head:
+            weights.pop(id(table), None)
+    return sum(weights.values())
+
+
+def kv_bytes_per_token(runner) -> int:
+    """K and V of one token across every layer."""
+    return runner.plan.kv.block_bytes // runner.plan.kv.block_size
+
+
+def count_bytes_read(runner) -> list[int]:
+    """A one-item counter of the bytes that every step launched from now on reads (the HBM roofline's bytes): the
+    weights once, and the KV of each sequence's whole context."""
+    weights, per_token, launch, total = weight_bytes_per_step(runner.model), kv_bytes_per_token(runner), runner.launch, [0]
+
+    def counted_launch(seqs, *args, **kwargs):
+        total[0] += weights + per_token * sum(s.num_computed_tokens + s.num_scheduled_tokens for s in seqs)
+        return launch(seqs, *args, **kwargs)
+
+    runner.launch = counted_launch
+    return total

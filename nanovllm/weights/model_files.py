@@ -2,6 +2,7 @@
 load_format="dummy" (vLLM's), a directory's config.json alone and weights drawn at random at load."""
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -75,7 +76,7 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
     cache = _gguf_tokenizer_cache_dir(source)
     if (cache / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(cache)
-    log_once(f"building the tokenizer from {source}'s GGUF metadata (cached in {cache})")
+    log_once(f"building the tokenizer from {source}'s GGUF metadata (cached in {cache})", logging.DEBUG)
     tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(source)), gguf_file=os.path.basename(source))
     try:
         tok.save_pretrained(cache)
