@@ -65,10 +65,10 @@ launched = []
 launch = runner.launch
 
 
-def recording_launch(seqs, **kw):
+def recording_launch(seqs, *args, **kw):
     launched.append((len(seqs), sum(s.num_scheduled_tokens > 1 for s in seqs),
                      sum(s.num_computed_tokens + s.num_scheduled_tokens for s in seqs)))
-    return launch(seqs, **kw)
+    return launch(seqs, *args, **kw)
 
 
 runner.launch = recording_launch

@@ -191,9 +191,9 @@ def _assert_same_completions(a, b):
 def _record_launches(runner, record):
     launch = runner.launch
 
-    def recording(seqs, input_ids_from=None):
+    def recording(seqs, block_copies=(), input_ids_from=None):
         record(seqs, input_ids_from)
-        return launch(seqs, input_ids_from)
+        return launch(seqs, block_copies, input_ids_from)
 
     runner.launch = recording
 

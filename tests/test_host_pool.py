@@ -192,3 +192,24 @@ def test_bf16_offloaded_decode_stays_with_the_resident_run(tmp_path):
     agreement = sum(a == b for a, b in pairs) / len(pairs)
     print(f"bf16 offloaded vs resident greedy token agreement: {agreement:.1%}")
     assert agreement >= 0.5
+
+
+def test_block_copies_run_in_the_order_decided():
+    """The step's copy list: consecutive copies one way merge into one call, except where a block would be written
+    twice in it; the list run on the caches equals each copy run alone, in order (a plain indexed copy)."""
+    from nanovllm.kvcache.block_copy import IN, OUT, queue_copy, run_block_copies
+
+    copies = []
+    queue_copy(copies, OUT, [1, 2], [10, 11])
+    queue_copy(copies, OUT, [3], [12])
+    queue_copy(copies, OUT, [4], [10])  # pool block 10 again: its own call, after the first
+    queue_copy(copies, IN, [10, 12], [1, 6])
+    assert [(c.direction, c.src, c.dst) for c in copies] == [
+        (OUT, [1, 2, 3], [10, 11, 12]), (OUT, [4], [10]), (IN, [10, 12], [1, 6])]
+    kv_cache, pool = torch.randn(2, 3, 8, 4, 1, 2), torch.randn(2, 3, 16, 4, 1, 2)
+    want_cache, want_pool = kv_cache.clone(), pool.clone()
+    for direction, src, dst in [(OUT, 1, 10), (OUT, 2, 11), (OUT, 3, 12), (OUT, 4, 10), (IN, 10, 1), (IN, 12, 6)]:
+        source, target = (want_cache, want_pool) if direction == OUT else (want_pool, want_cache)
+        target[:, :, dst] = source[:, :, src]
+    run_block_copies(copies, kv_cache, pool)
+    assert torch.equal(kv_cache, want_cache) and torch.equal(pool, want_pool)

@@ -46,7 +46,7 @@ def test_the_step_takes_the_whole_rest_of_the_prompt(tiny_model_dir):
               max_num_seqs=4, num_gpu_blocks_override=6, kv_offloading_size=0.01)
     engine = llm.llm_engine
     engine.add_request("0", PROMPT["prompt_token_ids"], SamplingParams(max_tokens=1))
-    [seq] = engine.scheduler.schedule()
+    [seq] = engine.scheduler.schedule().seqs
     assert seq.num_scheduled_tokens == 300
     assert len(seq.host_blocks) == 19 - 6 and seq.block_table[:13] == [-1] * 13 and -1 not in seq.block_table[13:]
 

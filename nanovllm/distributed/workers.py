@@ -95,7 +95,7 @@ def _led_calls(runner) -> list[tuple[str, object, str]]:
     whose collectives pair up across the ranks."""
     calls = [("forward", runner.model, "forward"), ("logits", runner.model, "compute_logits")]
     if runner.host_pool is not None:
-        calls += [("copy_out", runner.host_pool, "_copy_out"), ("copy_in", runner.host_pool, "_copy_in")]
+        calls.append(("copy_blocks", runner, "copy_blocks"))
     if runner.layer_major is not None:
         calls.append(("layer_major.run", runner.layer_major, "run"))
     if runner.graphs is not None:
@@ -161,7 +161,7 @@ class TensorParallelWorkers:
 
     def follow(self, runner):
         """Make every call of rank 0's runner that launches collectives (the model's forward and LM head, the CUDA
-        graphs' replays and their inputs, the host pool's KV block copies: each rank moves its heads' part) run on
+        graphs' replays and their inputs, the step's KV block copies: each rank moves its heads' part) run on
         every rank. A call's device tensors go to the other ranks by broadcast, without waiting for the device."""
         self.device = runner.device
         self._graphs.extend(runner.captured_graphs())

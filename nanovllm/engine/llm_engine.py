@@ -138,10 +138,10 @@ class LLMEngine:
         if self._in_flight is not None:
             handle, self._in_flight = self._in_flight, None
         else:
-            seqs = self.scheduler.schedule()
-            if not seqs:
+            scheduled = self.scheduler.schedule()
+            if not scheduled.seqs:
                 return []
-            handle = self.model_runner.launch(seqs)
+            handle = self.model_runner.launch(scheduled.seqs, scheduled.block_copies)
         live = [s for s in handle.seqs if not s.is_finished]  # a pipelined step may hold seqs that finished
         ahead = self._launch_ahead(handle, live)
         if ahead is None:
@@ -203,17 +203,17 @@ class LLMEngine:
                 token_row[id(seq)] = row_of[i]
         if all(id(seq) in token_row and self._at_length(seq, 1) for seq in live):
             return None  # this step's tokens end every live sequence: a step ahead would be thrown away
-        seqs = self.scheduler.schedule_ahead(live, [id(seq) in token_row for seq in live])
-        if seqs is None:
+        scheduled = self.scheduler.schedule_ahead(live, [id(seq) in token_row for seq in live])
+        if scheduled is None:
             return None
         src, dst, row = [], [], 0
-        for seq in seqs:
+        for seq in scheduled.seqs:
             if id(seq) in token_row:  # its one new token is the placeholder
                 src.append(token_row[id(seq)])
                 dst.append(row)
             row += seq.num_scheduled_tokens
         self.num_steps_ahead += 1
-        return self.model_runner.launch(seqs, input_ids_from=(handle.tokens, src, dst))
+        return self.model_runner.launch(scheduled.seqs, scheduled.block_copies, input_ids_from=(handle.tokens, src, dst))
 
     def _append_token(self, request: Request, seq: Sequence, token: int, logprobs: TokenLogprobs | None):
         params = seq.params

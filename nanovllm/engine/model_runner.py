@@ -13,6 +13,7 @@ from nanovllm.engine.model_loader import apply_kernels, load_model
 from nanovllm.engine.plan import ExecutionPlan
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kvcache import kv_cache
+from nanovllm.kvcache.block_copy import BlockCopy, run_block_copies
 from nanovllm.kvcache.preemption import PreemptionPolicy, measured_policy
 from nanovllm.kvcache.spec import KVCacheSpec, model_kv_cache_spec
 from nanovllm.layers.attention import Attention
@@ -139,11 +140,13 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence],
+    def launch(self, seqs: list[Sequence], block_copies: list[BlockCopy] = (),
                input_ids_from: tuple[torch.Tensor, list[int], list[int]] | None = None) -> StepHandle:
-        """Start one step on the device and return without waiting for its tokens. `input_ids_from`
-        (tokens, src, dst): input ids dst are rows src of a previous step's sampled tokens, still on the device
-        (a pipelined step; the host holds placeholders for them)."""
+        """Start one step on the device, after its block copies, and return without waiting for its tokens.
+        `input_ids_from` (tokens, src, dst): input ids dst are rows src of a previous step's sampled tokens, still on
+        the device (a pipelined step; the host holds placeholders for them)."""
+        if block_copies:
+            self.copy_blocks(block_copies)
         if self.steady is not None and self.steady.continues(seqs):
             return self._launch_steady()
         self.steady = None
@@ -162,6 +165,9 @@ class ModelRunner:
         if handle.sample_idx:
             self._sample(handle, hidden, all_logits, meta)
         return handle
+
+    def copy_blocks(self, block_copies: list[BlockCopy]):
+        run_block_copies(block_copies, self.kv_cache, self.host_pool.pool)
 
     def _forward(self, seqs, input_ids, positions, meta) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(hidden states, or a decode graph's logits of every row): a layer-major prefill, an eager step over host

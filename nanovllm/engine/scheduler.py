@@ -1,8 +1,16 @@
 from collections import deque
+from dataclasses import dataclass
 
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.kvcache.block_copy import BlockCopy
 from nanovllm.kvcache.preemption import PreemptionPolicy
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence]  # this step's, num_scheduled_tokens set
+    block_copies: list[BlockCopy]  # to execute first, in order
 
 
 class NoProgressError(RuntimeError):
@@ -40,9 +48,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[Sequence]:
-        """Sequences to run this step with num_scheduled_tokens set; those with one new token first, each group
-        longest first."""
+    def schedule(self) -> "SchedulerOutput":
+        """Sequences to run this step with num_scheduled_tokens set (those with one new token first, each group
+        longest first), and the block copies to execute before it."""
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
         preempted = False
@@ -93,9 +101,11 @@ class Scheduler:
         # decodes first (the backends' layout), longest first: the attention kernels start their longest
         # programs first, which shortens the tail (1% at 215 sequences on the H100)
         scheduled.sort(key=lambda s: (s.num_scheduled_tokens != 1, -s.num_tokens))
-        return scheduled
+        # the block copies decided so far go with the step that runs next (none runs: they wait for the next one)
+        copies = self.host_pool.take_copies() if self.host_pool is not None and scheduled else []
+        return SchedulerOutput(scheduled, copies)
 
-    def schedule_ahead(self, seqs: list[Sequence], sampling: list[bool]) -> list[Sequence] | None:
+    def schedule_ahead(self, seqs: list[Sequence], sampling: list[bool]) -> "SchedulerOutput | None":
         """Pipelined scheduling: account seqs' current step and schedule the next one before the tokens that
         step samples are known (the `sampling` seqs hold a placeholder for theirs; prompts still filling take
         their next chunk, waiting sequences are admitted as usual). Only when seqs are all that runs and the

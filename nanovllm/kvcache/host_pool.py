@@ -3,12 +3,12 @@
   (kvcache/preemption.py chooses);
 - a second tier of the prefix cache: a cached block that the device evicts keeps its KV here (least recently
   used first out), and a later prompt with that prefix loads it instead of recomputing it.
-Copies move whole blocks across every layer by sgDMA (comm/sgdma.py), queued on the current stream."""
+The pool keeps the bookkeeping; its copies are listed for the next step to execute (kvcache/block_copy.py)."""
 from collections import OrderedDict
 
 import torch
 
-from nanovllm.comm.sgdma import copy_blocks
+from nanovllm.kvcache.block_copy import IN, OUT, BlockCopy, queue_copy
 
 
 class HostKVPool:
@@ -25,15 +25,21 @@ class HostKVPool:
         self.checked_out: set[int] = set()  # hashes of cached blocks between checkout and load_prefix
         self.block_bytes = self.pool[:, :, 0].numel() * self.pool.element_size()
         self.block_size = kv_cache.shape[3]
+        self.pending_copies: list[BlockCopy] = []  # decided, for the next step to execute (kvcache/block_copy.py)
         self.copied_blocks = 0  # statistics: blocks copied either way (swaps, offloads, the prefix tier)
 
     def _copy_out(self, device_blocks: list[int], pool_blocks: list[int]):
-        copy_blocks(self.kv_cache, self.pool, device_blocks, pool_blocks)
+        queue_copy(self.pending_copies, OUT, device_blocks, pool_blocks)
         self.copied_blocks += len(pool_blocks)
 
     def _copy_in(self, pool_blocks: list[int], device_blocks: list[int]):
-        copy_blocks(self.pool, self.kv_cache, pool_blocks, device_blocks)
+        queue_copy(self.pending_copies, IN, pool_blocks, device_blocks)
         self.copied_blocks += len(pool_blocks)
+
+    def take_copies(self) -> list[BlockCopy]:
+        """The copies decided since the last call, in order: the next step's to execute."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     @property
     def num_free_blocks(self) -> int:
