@@ -1,6 +1,6 @@
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -55,16 +55,16 @@ class Config:
     dtype: str | torch.dtype = "auto"
     device: str = "auto"
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None  # None: 256
     max_num_batched_tokens: int | None = None  # None: 1024 on CPU (a chunk's activations stay in cache), 16384 on GPU
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # CPU default: 4 GiB, as vLLM's VLLM_CPU_KVCACHE_SPACE
     num_gpu_blocks_override: int | None = None
     block_size: int | None = None  # None: 256 where flash_attn will run (its paged kernels need it), else 16
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = True  # None: True (vLLM's scripts pass None)
     enforce_eager: bool = False
     async_scheduling: bool = True  # launch a decode batch's next step before reading its tokens back
-    seed: int = 0
+    seed: int | None = 0  # None: 0
     attention_backend: str | None = None  # None: the device's default
     # None: a .gguf file's weights stay quantized on CUDA ("gguf"), and are dequantized at load on CPU, where the
     # kept-quantized path is slower; "gguf": kept quantized on either; "none": dense; "fp8", "int8", "int4": a
@@ -79,6 +79,7 @@ class Config:
     disk_offload_gb: float = 0  # GiB of decoder-layer weights read from a file in offload_folder as they run
     offload_folder: str | None = None  # None: NANOVLLM_CACHE (default ~/.cache/nanovllm) / offload
     tensor_parallel_size: int = 1  # processes the model's heads and rows are split over (GPUs, or CPU processes)
+    data_parallel_size: int = 1  # engines, each in its own process (and GPUs), that a call's requests are dealt to
     disable_custom_all_reduce: bool = False  # True: every all-reduce between GPUs runs NCCL (vLLM's name)
     load_format: str = "auto"  # vLLM's: "auto", "safetensors", "gguf", or "dummy" (random weights at real shapes)
     model_config: ModelConfig = field(init=False)
@@ -87,6 +88,9 @@ class Config:
         from nanovllm.weights.model_files import load_model_config  # heavy imports stay lazy
 
         self.device = self._resolve_device(self.device)
+        self.max_num_seqs = 256 if self.max_num_seqs is None else self.max_num_seqs
+        self.enable_prefix_caching = self.enable_prefix_caching is not False
+        self.seed = 0 if self.seed is None else self.seed
         _require(0 < self.gpu_memory_utilization <= 1,
                  f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -123,6 +127,7 @@ class Config:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
                  f"block_size must be a power of two from 1 to 256, got {self.block_size}")
         self._check_tensor_parallel(hf_config)
+        self._check_data_parallel()
         max_model_len = self._resolve_max_model_len(hf_config)
         self.model_config = ModelConfig(os.fspath(self.model), fmt, hf_config, dtype, max_model_len,
                                         self.tokenizer, quantization)
@@ -137,6 +142,13 @@ class Config:
             value = getattr(hf_config, name, None)
             _require(value is None or value % size == 0,
                      f"tensor_parallel_size={size} does not divide the model's {name} ({value}): choose a divisor")
+
+    def _check_data_parallel(self):
+        size = self.data_parallel_size
+        _require(isinstance(size, int) and size >= 1, f"data_parallel_size must be an integer >= 1, got {size!r}")
+        if size > 1:  # each replica takes tensor_parallel_size GPUs
+            require_gpus(self.device, size * self.tensor_parallel_size,
+                         f"data_parallel_size x tensor_parallel_size = {size} x {self.tensor_parallel_size}")
 
     @staticmethod
     def _resolve_device(device: str) -> str:
@@ -207,3 +219,9 @@ class Config:
                  f"max_model_len ({self.max_model_len}) is larger than the model's context ({limit}: its "
                  "max_position_embeddings, times its rope scaling factor where it has one)")
         return self.max_model_len
+
+
+def engine_arg_names() -> list[str]:
+    """The engine arguments, the one list: Config's fields but model. LLM(), run-batch's flags and the README's
+    LLM() line follow it."""
+    return [f.name for f in fields(Config) if f.init and f.name != "model"]

@@ -1,10 +1,12 @@
+import contextlib
 import time
 from collections.abc import Sequence as Seq
 from itertools import count
 
+import torch
 from tqdm.auto import tqdm
 
-from nanovllm.config import Config, require_gpus
+from nanovllm.config import Config, engine_arg_names
 from nanovllm.distributed.main_guard import require_main_guard
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.engine.scheduler import NoProgressError
@@ -33,57 +35,49 @@ def _prompt_list(prompts, prompt_token_ids) -> list:
     return list(prompts)
 
 
-def _check_data_parallel(size, config: Config):
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"data_parallel_size must be an integer >= 1, got {size!r}")
-    if size > 1:  # each replica takes tensor_parallel_size GPUs
-        require_gpus(config.device, size * config.tensor_parallel_size,
-                     f"data_parallel_size x tensor_parallel_size = {size} x {config.tensor_parallel_size}")
-
-
 class LLM:
     """vLLM's offline entry point: LLM(model).generate(prompts, SamplingParams(...))."""
 
-    def __init__(self, model: str, tokenizer: str | None = None, dtype="auto", device: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                 gpu_memory_utilization: float = 0.9, block_size: int | None = None, enable_prefix_caching: bool | None = True,
-                 enforce_eager: bool = False, async_scheduling: bool = True, seed: int | None = 0,
-                 num_gpu_blocks_override: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, attention_backend: str | None = None,
-                 quantization: str | None = None, kv_offloading_size: float | None = None,
-                 kv_offloading_backend: str | None = None, preemption_mode: str | None = None, cpu_offload_gb: float = 0,
-                 disk_offload_gb: float = 0, offload_folder: str | None = None, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, disable_custom_all_reduce: bool = False, load_format: str = "auto",
-                 **kwargs):
-        """nanovllm's own arguments are named here; **kwargs takes vLLM's other engine arguments
-        (nanovllm.engine_args: accepted where they ask for nothing nanovllm lacks)."""
-        check_vllm_args(kwargs)
-        for setting, size in (("tensor_parallel_size", tensor_parallel_size), ("data_parallel_size", data_parallel_size)):
-            if isinstance(size, int) and size > 1:
-                require_main_guard(f"{setting}={size}")
-        # as given: the data-parallel replicas are built from the same arguments
-        engine_args = dict(
-            tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
-            block_size=block_size, enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
-            async_scheduling=async_scheduling, seed=seed, num_gpu_blocks_override=num_gpu_blocks_override,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, attention_backend=attention_backend, quantization=quantization,
-            kv_offloading_size=kv_offloading_size, kv_offloading_backend=kv_offloading_backend,
-            preemption_mode=preemption_mode,
-            cpu_offload_gb=cpu_offload_gb, disk_offload_gb=disk_offload_gb, offload_folder=offload_folder,
-            tensor_parallel_size=tensor_parallel_size, disable_custom_all_reduce=disable_custom_all_reduce,
-            load_format=load_format)
-        config = Config(model=model, **{**engine_args, "max_num_seqs": 256 if max_num_seqs is None else max_num_seqs,
-                                        "enable_prefix_caching": enable_prefix_caching is not False,
-                                        "seed": 0 if seed is None else seed})
-        _check_data_parallel(data_parallel_size, config)
+    def __init__(self, model: str, **kwargs):
+        """kwargs: the engine arguments (Config's fields, nanovllm.config.engine_arg_names(); the README lists them),
+        and vLLM's other engine arguments (nanovllm.engine_args: accepted where they ask for nothing nanovllm
+        lacks)."""
+        names = set(engine_arg_names())
+        check_vllm_args({name: value for name, value in kwargs.items() if name not in names})
+        for setting in ("tensor_parallel_size", "data_parallel_size"):
+            if isinstance(kwargs.get(setting), int) and kwargs[setting] > 1:
+                require_main_guard(f"{setting}={kwargs[setting]}")
+        config = Config(model=model, **{name: value for name, value in kwargs.items() if name in names})
         self.llm_engine = LLMEngine(config)
         self._request_counter = count()
         self.replicas = None
-        if data_parallel_size > 1:  # the same engine N-1 more times, in processes of their own
+        if config.data_parallel_size > 1:  # the same engine N-1 more times, in processes of their own
             from nanovllm.distributed.data_parallel import DataParallelReplicas
 
-            self.replicas = DataParallelReplicas(data_parallel_size, model, {**engine_args, **kwargs})
+            self.replicas = DataParallelReplicas(config.data_parallel_size, model, {**kwargs, "data_parallel_size": 1})
+
+    def shutdown(self):
+        """Give up the engine: its worker processes and replicas end, and its GPU memory (returned to the device),
+        pinned host memory and offload files are freed once nothing else refers to them. `del llm` and the end of
+        `with LLM(...) as llm:` do the same."""
+        engine, replicas = self.__dict__.pop("llm_engine", None), self.__dict__.pop("replicas", None)
+        if replicas is not None:
+            replicas.close()
+        if engine is not None:
+            engine.shutdown()
+            del engine
+            if torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info):
+        self.shutdown()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):  # at interpreter exit the modules it needs may be gone already
+            self.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

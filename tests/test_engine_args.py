@@ -113,3 +113,32 @@ def test_the_kv_cache_log_gives_its_concurrency_for_max_model_len(tiny_model_dir
         LLM(tiny_model_dir("tiny-llama"), device="cpu", max_model_len=128, num_gpu_blocks_override=24, block_size=16)
     assert "execution plan:" in caplog.text and "KV cache     24 blocks of 16 tokens" in caplog.text
     assert "maximum concurrency for 128 tokens a sequence: 3.00x" in caplog.text
+
+
+def test_one_list_of_engine_arguments():
+    """Config's fields are the engine arguments: the README's LLM() line names each with its default, in order;
+    run-batch has a flag for each; none is also sorted among vLLM's arguments that nanovllm ignores or lacks."""
+    import re
+    from dataclasses import fields
+    from pathlib import Path
+
+    from nanovllm.config import Config, engine_arg_names
+    from nanovllm.entrypoints import run_batch
+
+    readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
+    signature = re.search(r"`LLM\(model, (.*?), \*\*vllm_engine_args\)`", readme, re.S).group(1)
+    defaults = {f.name: f.default for f in fields(Config)}
+    listed = [part.split("=") for part in re.split(r",\s+", signature)]
+    assert [name for name, _ in listed] == engine_arg_names()
+    assert all(eval(value) == defaults[name] for name, value in listed)
+    parser = run_batch.argparse.ArgumentParser()
+    run_batch.add_arguments(parser)
+    flags = {a.dest for a in parser._actions}
+    assert set(engine_arg_names()) <= flags
+    assert not set(engine_arg_names()) & (NO_EFFECT | FEATURES)
+
+
+def test_swap_space_constructs_an_engine(tiny_model_dir):
+    """vLLM scripts pass swap_space (its CPU swap GiB); nanovllm's is kv_offloading_size, so it has no effect."""
+    llm = LLM(tiny_model_dir("tiny-llama"), device="cpu", max_model_len=128, swap_space=4)
+    assert llm.llm_engine.scheduler.host_pool is None

@@ -149,6 +149,7 @@ class TensorParallelWorkers:
             share_cpu_threads(size)
         log_once(f"tensor parallel over {size} {'GPUs' if device.type == 'cuda' else 'CPU processes (gloo)'}", logging.DEBUG)
         self._leading = False
+        self._led: list[tuple[object, str]] = []  # (object, method) of each patched call of rank 0
         self._reported = threading.Event()  # rank 0 has raised a worker's failure (the watchdog then lets it be)
         self._closing = threading.Event()
         # rank 0's CUDA graphs, once followed: freed before the communicator (held here, not through the runner,
@@ -166,6 +167,7 @@ class TensorParallelWorkers:
         self.device = runner.device
         self._graphs.extend(runner.captured_graphs())
         runner.wait_for = self._wait_for
+        self._led = [(obj, method) for _, obj, method in _led_calls(runner)]
         for kind, obj, method in _led_calls(runner):
             setattr(obj, method, self._leader(kind, getattr(obj, method)))
 
@@ -209,6 +211,11 @@ class TensorParallelWorkers:
         return _worker_error(self.errors, error)
 
     def close(self):
+        """End the workers, and give rank 0's methods back (the leading closures hold both the methods' objects and
+        these workers: a cycle that would keep the model alive after the engine is given up)."""
+        for obj, method in self._led:
+            vars(obj).pop(method, None)
+        self._led = []
         self._finalizer()
 
     def abort(self):

@@ -65,6 +65,13 @@ class LLMEngine:
         self.num_steps_ahead = 0  # statistics: steps launched before the previous step's tokens were read
         self._steps_without_a_token = 0
 
+    def shutdown(self):
+        """End the tensor-parallel workers (and undo their hold on the runner); the rest goes with the last
+        reference."""
+        if self.workers is not None:
+            self.workers.close()
+        self._in_flight = None
+
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> "LLMEngine":
         return cls(Config(model=model, **kwargs))

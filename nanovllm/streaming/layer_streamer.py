@@ -8,6 +8,8 @@ slot given up is the one whose layer runs furthest ahead in the cyclic layer ord
 tensors and the copies plain: the same bookkeeping, tested in CI. Steps run eagerly (hooks, not captured in CUDA
 graphs). Disk reads go by kvikio straight into a slot where it is installed (streaming/kvikio_reader.py), waited
 for when the layer runs; else a positional read blocks the host while the device computes the layers launched."""
+import weakref
+
 import torch
 from torch import nn
 
@@ -52,8 +54,11 @@ class LayerStreamer:
             self.loaded = [torch.cuda.Event() for _ in range(self.num_slots)]
             self.consumed = [torch.cuda.Event() for _ in range(self.num_slots)]
         for index in self.streamed:
-            layers[index].register_forward_pre_hook(lambda module, args, i=index: self._before(i))
-            layers[index].register_forward_hook(lambda module, args, out, i=index: self._after(i))
+            # through a weak reference: a hook that held the streamer, which holds the layers, would keep the model
+            # alive after the engine is given up, until the garbage collector found the cycle
+            streamer = weakref.ref(self)
+            layers[index].register_forward_pre_hook(lambda module, args, i=index: streamer()._before(i))
+            layers[index].register_forward_hook(lambda module, args, out, i=index: streamer()._after(i))
 
     @classmethod
     def for_layers(cls, layers: list[nn.Module], device: torch.device, cpu_offload_gb: float, disk_offload_gb: float,
