@@ -25,7 +25,8 @@ gpu_tests() {  # log name, test files
 if [[ $what == tests || $what == tests1 || $what == all ]]; then  # the engine and the CUDA kernels
   gpu_tests tests1 tests/test_gpu.py tests/test_flash_attn_backend.py tests/test_gemv_one_row.py \
     tests/test_paged_decode_cluster.py tests/test_cuda_library.py tests/test_engine_args.py tests/test_host_pool.py \
-    tests/test_sgdma.py tests/test_offload_engine.py tests/test_layer_streaming.py tests/test_layer_major.py
+    tests/test_sgdma.py tests/test_offload_engine.py tests/test_layer_streaming.py tests/test_layer_major.py \
+    tests/test_lifecycle.py tests/test_plan.py
 fi
 if [[ $what == tests || $what == tests2 || $what == all ]]; then  # the Triton kernels and layers
   gpu_tests tests2 tests/test_triton_kernels.py tests/test_layers.py tests/test_gguf_gemv.py tests/test_gguf_linear.py \

@@ -68,13 +68,15 @@ def test_an_engine_given_up_frees_what_it_took(tiny_model_dir, tmp_path, setting
                                       dict(tensor_parallel_size=2)], ids=lambda s: ",".join(s) or "defaults")
 def test_three_engines_in_turn_give_their_gpu_memory_back(tmp_path, settings):
     """Build, use and give up (`del`, no gc.collect) three engines in one process: the device's free memory comes
-    back to the baseline each time (within 256 MiB: the CUDA context and library handles of the first)."""
+    back to the baseline each time, within 256 MiB. The baseline is taken after a first engine of the same settings:
+    what the process keeps once (the CUDA context, cuBLAS handles, NCCL's and the P2P all-reduce's buffers of a
+    tensor-parallel run, 484 MB on an H200) is not taken again."""
     from nanovllm.weights.synthetic import write_model
 
     if settings.get("tensor_parallel_size", 1) > torch.cuda.device_count():
         pytest.skip(f"needs {settings['tensor_parallel_size']} GPUs")
     model = str(write_model("qwen3-0.6b", tmp_path / "m", torch.bfloat16, device="cuda"))
-    LLM(model, max_model_len=1024, gpu_memory_utilization=0.5, enforce_eager=True)  # the CUDA context, once
+    _use(LLM(model, max_model_len=1024, gpu_memory_utilization=0.5, **settings))  # what the process keeps once
     baseline = torch.cuda.mem_get_info()[0]
     for _ in range(3):
         llm = LLM(model, max_model_len=1024, gpu_memory_utilization=0.5, **settings)
