@@ -106,17 +106,15 @@ def _led_calls(runner) -> list[tuple[str, object, str]]:
     return calls
 
 
-def _worker_main(config, rank: int, init_method: str, stop_token_ids: set[int], errors):
+def _worker_main(runner_class, config, rank: int, init_method: str, stop_token_ids: set[int], errors):
     runner = None
     try:
-        from nanovllm.engine.model_runner import ModelRunner
-
         device = torch.device(config.device)
         if device.type == "cpu":
             share_cpu_threads(config.tensor_parallel_size)
         init_tensor_parallel(rank, config.tensor_parallel_size, init_method, device,
                              not config.disable_custom_all_reduce)
-        runner = ModelRunner(config, stop_token_ids)
+        runner = runner_class(config, stop_token_ids)
         calls = {kind: getattr(obj, method) for kind, obj, method in _led_calls(runner)}
         with torch.inference_mode():
             while (command := broadcast_command())[0] != "exit":
@@ -133,14 +131,16 @@ def _worker_main(config, rank: int, init_method: str, stop_token_ids: set[int], 
 class TensorParallelWorkers:
     """Ranks 1..N-1, started before rank 0 builds its ModelRunner; follow() makes rank 0's model lead them."""
 
-    def __init__(self, config, stop_token_ids: set[int]):
+    def __init__(self, runner_class, config, stop_token_ids: set[int]):
+        """runner_class: the engine's ModelRunner, which each rank builds (passed in: distributed/ sits below the
+        engine)."""
         size = config.tensor_parallel_size
         require_main_guard(f"tensor_parallel_size={size}")
         init_method = local_init_method()
         context = multiprocessing.get_context("spawn")
         self.errors = context.Queue()
         self.processes = [context.Process(target=_worker_main, daemon=True, name=f"nanovllm-tp{rank}",
-                                          args=(config, rank, init_method, stop_token_ids, self.errors))
+                                          args=(runner_class, config, rank, init_method, stop_token_ids, self.errors))
                           for rank in range(1, size)]
         for process in self.processes:
             process.start()
@@ -255,11 +255,12 @@ def _watch(processes, errors, closing: threading.Event, reported: threading.Even
 
 
 def _release(graph_dicts: list[dict]):
-    """The CUDA graphs first: the NCCL communicator's abort waits until none that captured its collectives is left."""
-    if graph_dicts:
-        from nanovllm.engine.cuda_graph import release  # CUDA only: it imports the Triton kernels
-
-        release(graph_dicts)
+    """The CUDA graphs first, now rather than when Python drops them: a graph that captured NCCL calls holds a
+    reference on the communicator, and aborting the communicator waits until none is left."""
+    for graphs in graph_dicts:
+        for graph in graphs.values():
+            graph.reset()
+        graphs.clear()
     destroy_tensor_parallel()
 
 

@@ -57,15 +57,6 @@ def _capture(graphs: dict, sizes: list, step, pool):
     return pool
 
 
-def release(graph_dicts: list[dict]):
-    """Free captured graphs now, not when Python drops them: a graph that captured NCCL calls holds a reference on
-    the communicator, and aborting that communicator waits until the reference is gone."""
-    for graphs in graph_dicts:
-        for graph in graphs.values():
-            graph.reset()
-        graphs.clear()
-
-
 class _StepBuffers:
     """The static inputs a captured step reads: per token and per sequence."""
 

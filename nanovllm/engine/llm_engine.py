@@ -44,7 +44,7 @@ class LLMEngine:
         self.model_config = config.model_config
         self.tokenizer = load_tokenizer(self.model_config.model, self.model_config.tokenizer)
         self.eos_token_ids = self._eos_token_ids()
-        self.workers = TensorParallelWorkers(config, set(self.eos_token_ids)) \
+        self.workers = TensorParallelWorkers(ModelRunner, config, set(self.eos_token_ids)) \
             if config.tensor_parallel_size > 1 else None
         try:
             self.model_runner = ModelRunner(config, set(self.eos_token_ids))
