@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # compiles every kernel launch
+
 
 def _has_sm90_compiler() -> bool:
     try:

@@ -11,6 +11,7 @@ SOURCES = {"gemv_one_row": "nanovllm_gemv_one_row", "gguf_gemv_one_row": "nanovl
            "paged_decode_cluster": "nanovllm_paged_decode_cluster", "sgdma": "nanovllm_sgdma"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(cuda_library.nvcc() is None, reason="no nvcc on this machine")
 @pytest.mark.parametrize("name", sorted(SOURCES))
 def test_source_compiles_for_sm90_and_exports_its_entry_point(name, tmp_path, monkeypatch):
@@ -20,6 +21,7 @@ def test_source_compiles_for_sm90_and_exports_its_entry_point(name, tmp_path, mo
     assert [p.name for p in tmp_path.iterdir()] == [p.name for p in tmp_path.glob(f"{name}_*.so")]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(cuda_library.nvcc() is None, reason="no nvcc on this machine")
 def test_entry_point_builds_types_and_logs_once(tmp_path, monkeypatch):
     """Where a kernel can run (here: pretended), its entry point is typed once per device and the path logged once."""

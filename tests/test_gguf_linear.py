@@ -82,6 +82,7 @@ def greedy(llm, n: int = 24) -> list[list[int]]:
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K", "Q8_0"])
 def test_cpu_model_kept_quantized_generates_as_dequantized(tmp_path, donor, type_name):
     path = str(write_gguf(SMALL, type_name, str(tmp_path / f"small-{type_name}.gguf"), tokenizer=donor))

@@ -22,6 +22,7 @@ def test_random_blocks_have_the_asked_mean_and_std(type_name):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q6_K", "Q8_0"])
 def test_a_synthetic_gguf_loads_and_generates(tmp_path, type_name):
     path = write_gguf(SMALL, type_name, str(tmp_path / f"small-{type_name}.gguf"))

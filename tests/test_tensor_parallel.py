@@ -64,6 +64,7 @@ def test_four_cpu_processes_give_the_tokens_of_one(tmp_path):
                 assert lp_a[token].logprob == pytest.approx(lp_b[token].logprob, abs=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.slow  # the synthetic GGUF takes its vocabulary from the bundled model
 def test_gguf_blocks_kept_quantized_split_over_two_processes(tmp_path):
     """Q8_0 blocks sharded as they are (rows of qkv / gate_up / the vocabulary, whole blocks of o / down's rows)
