@@ -60,7 +60,7 @@ class ModelRunner:
                                              config.block_size, mc.dtype)
         for layer in self.attention_layers:
             layer.backend = self.backend
-        plan = ExecutionPlan.decide(config, self.backend, self.streamer)
+        plan = ExecutionPlan.decide(config, self.model, self.backend, self.streamer)
         apply_kernels(self.model, plan, self.streamer)
         self.kv_spec = model_kv_cache_spec(self.model, config.block_size, mc.dtype)  # what each layer keeps
         self.plan = plan.with_kv(self._size_kv_cache(plan, self.kv_spec))

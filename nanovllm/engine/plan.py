@@ -27,10 +27,10 @@ class ExecutionPlan:
         return self.graphs_off is None
 
     @classmethod
-    def decide(cls, config, backend, streamer) -> "ExecutionPlan":
+    def decide(cls, config, model, backend, streamer) -> "ExecutionPlan":
         device, dtype = torch.device(config.device), config.model_config.dtype
         fast = device.type == "cuda" and backend.name != "torch"
-        graphs_off = _graphs_off(config, device, backend, streamer)
+        graphs_off = _graphs_off(config, device, model, backend, streamer)
         return cls(device, dtype, backend.name, fast, _linear_method(device, dtype, fast), _pdl_off(device, fast),
                    graphs_off, graphs_off is None and backend.supports_prefill_graphs,
                    _weights(streamer, device),
@@ -64,11 +64,13 @@ def _weights(streamer, device: torch.device) -> str:
             f"{streamer.num_slots} slots on {device}")
 
 
-def _graphs_off(config, device: torch.device, backend, streamer) -> str | None:
+def _graphs_off(config, device: torch.device, model, backend, streamer) -> str | None:
     if device.type != "cuda":
         return "not on CUDA"
     if config.enforce_eager:
         return "enforce_eager=True"
+    if not model.supports_cuda_graphs:
+        return f"{type(model).__name__}'s layers run eagerly"
     if streamer is not None:
         return "weights stream in (cpu_offload_gb / disk_offload_gb)"
     if not backend.supports_cuda_graphs:

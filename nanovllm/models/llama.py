@@ -78,10 +78,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None):
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None,
+                 mlp: nn.Module | None = None):
+        """mlp: the layer's MLP where the model has another kind (a mixture of experts), else LlamaMLP."""
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary, qkv_bias, o_bias, qk_norm, quant_config)
-        self.mlp = LlamaMLP(config, quant_config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, quant_config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -105,14 +107,16 @@ def _norm_then_project(norm: RMSNorm, proj, x: torch.Tensor, residual: torch.Ten
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config=None, make_mlp=None):
+        """make_mlp(layer index) -> that layer's MLP, or None for LlamaMLP."""
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config),
                                  getattr(config, "rope_freq_factors", None))
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, _embedding_config(quant_config))
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qkv_bias, o_bias, qk_norm, quant_config)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, qkv_bias, o_bias, qk_norm, quant_config,
+                                                      make_mlp(i) if make_mlp is not None else None)
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta, inputs_embeds=None):
@@ -128,6 +132,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False  # True: q/k/v always carry a bias, o_proj never (Qwen2)
     qk_norm = False
+    special_params: tuple[str, ...] = ()  # name pieces of the parameters that load_special loads and checks itself
+    supports_cuda_graphs = True
     # HF tensor name piece -> (our parameter name piece, shard id)
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -139,11 +145,15 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError("sliding-window attention is not supported")
         attention_bias = getattr(config, "attention_bias", False)
         self.model = LlamaModel(config, self.qkv_bias or attention_bias, attention_bias and not self.qkv_bias,
-                                self.qk_norm, quant_config)
+                                self.qk_norm, quant_config, lambda i: self.make_mlp(config, i, quant_config))
         tied = getattr(config, "tie_word_embeddings", False)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, self.model.embed_tokens if tied else None,
                               _linear_method(_embedding_config(quant_config)))
         self.tied = tied
+
+    def make_mlp(self, config, layer_index: int, quant_config) -> nn.Module | None:
+        """A layer's MLP where it is not LlamaMLP (None)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -160,13 +170,17 @@ class LlamaForCausalLM(nn.Module):
         """out: [rows, vocab] to write the logits into (a CUDA graph's static output)."""
         return self.lm_head(hidden, out)
 
+    def load_special(self, name: str, tensor: torch.Tensor) -> bool:
+        """Load a tensor that the generic mapping below does not place (a model's experts); False: not one."""
+        return False
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
         params = dict(self.named_parameters())
-        missing = set(params)
+        missing = {name for name in params if not any(piece in name for piece in self.special_params)}
         for name, tensor in weights:
             if self.tied and name == "lm_head.weight":
                 continue
-            if "rotary_emb" in name:
+            if "rotary_emb" in name or self.load_special(name, tensor):
                 continue
             shard_id = None
             for hf_piece, (piece, sid) in self.stacked_params.items():

@@ -1,0 +1,76 @@
+"""Mixture-of-experts MLP: each token runs through its top-k experts (SiLU-gated MLPs) and sums their outputs
+weighted by the router. Here the plain torch path: the token-expert pairs sorted by expert, then one gate_up and one
+down matmul for each expert's contiguous rows (the layout a fused kernel groups in one launch). It reads the routed
+experts' row counts on the host, so steps with it run eagerly (no CUDA graph)."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def route_top_k(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in the logits' dtype, expert ids [T, k]): softmax in fp32, the top k, optionally renormalized
+    to sum to one (Qwen3-MoE's router)."""
+    probs = router_logits.float().softmax(-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def moe_sorted(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+               ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; weights, ids [T, k]."""
+    num_tokens, top_k = ids.shape
+    order = ids.flatten().argsort(stable=True)
+    tokens = order // top_k  # each sorted pair's token
+    counts = torch.bincount(ids.flatten(), minlength=w13.shape[0]).tolist()
+    rows = x[tokens]
+    out = torch.empty(order.numel(), x.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            gate, up = F.linear(rows[start:start + count], w13[expert]).chunk(2, dim=-1)
+            out[start:start + count] = F.linear(F.silu(gate) * up, w2[expert])
+            start += count
+    out *= weights.flatten()[order, None]
+    return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+def moe_per_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:
+    """The reference: each token's k experts one at a time (the tests' twin of moe_sorted)."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for weight, expert in zip(weights[t], ids[t].tolist()):
+            gate, up = F.linear(x[t], w13[expert]).chunk(2, dim=-1)
+            out[t] += weight * F.linear(F.silu(gate) * up, w2[expert])
+    return out
+
+
+class FusedMoE(nn.Module):
+    """num_experts SiLU-gated MLPs of hidden_size -> intermediate_size -> hidden_size, their weights stacked."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return moe_sorted(x, self.w13, self.w2, weights, ids)
+
+    def load_expert(self, name: str, tensor: torch.Tensor, expert: int | None):
+        """One checkpoint tensor: an expert's gate_proj / up_proj / down_proj ([I, H] / [I, H] / [H, I]), or every
+        expert's at once (expert None: gate_up_proj [E, 2I, H] or [E, H, 2I], down_proj [E, H, I] or [E, I, H])."""
+        inter = self.w2.shape[2]
+        targets = {"gate_proj": (self.w13, slice(0, inter)), "up_proj": (self.w13, slice(inter, 2 * inter)),
+                   "gate_up_proj": (self.w13, slice(None)), "down_proj": (self.w2, slice(None))}
+        if name not in targets:
+            raise ValueError(f"an expert tensor {name!r}: expected gate_proj, up_proj, down_proj or gate_up_proj")
+        param, rows = targets[name]
+        target = param.data[:, rows] if expert is None else param.data[expert, rows]
+        if expert is None and tensor.shape != target.shape and tensor.dim() == 3:
+            tensor = tensor.transpose(1, 2)  # stored input-major
+        if tensor.shape != target.shape:
+            raise ValueError(f"expert tensor {name} (expert {'all' if expert is None else expert}) has shape "
+                             f"{tuple(tensor.shape)}, expected {tuple(target.shape)}")
+        target.copy_(tensor)

@@ -1,0 +1,81 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention, and in the sparse layers a mixture of experts in
+place of the MLP: a linear router over num_experts, softmax, the top num_experts_per_tok (renormalized where
+norm_topk_prob), each a SiLU-gated MLP of moe_intermediate_size. A layer is sparse unless it is in mlp_only_layers
+or (its index + 1) is not a multiple of decoder_sparse_step; dense layers keep Qwen3's MLP."""
+import re
+
+import torch
+from torch import nn
+
+from nanovllm.distributed.parallel_state import tp_size
+from nanovllm.layers.fused_moe import FusedMoE, route_top_k
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.models.qwen3 import Qwen3ForCausalLM
+
+# model.layers.L.mlp.experts.E.gate_proj.weight (a tensor an expert), or model.layers.L.mlp.experts.gate_up_proj
+EXPERT_TENSOR = re.compile(r"model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?:(?P<expert>\d+)\.)?(?P<proj>\w+?)"
+                           r"(?:\.weight)?$")
+
+
+class Qwen3MoeSparseBlock(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.loaded: set[tuple[int | None, str]] = set()  # (expert or None for all, projection) of the checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_top_k(self.gate(x), self.top_k, self.renormalize)
+        return self.experts(x, weights, ids)
+
+    def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = norm(x, residual)
+        return self(x), residual
+
+    def missing_experts(self) -> list[str]:
+        """The expert tensors the checkpoint did not give (a per-expert tensor, or the stacked one that holds it)."""
+        stacked = {proj for expert, proj in self.loaded if expert is None}
+        held_in = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+        return [f"expert {e} {proj}" for e in range(self.experts.w13.shape[0]) for proj, whole in held_in.items()
+                if (e, proj) not in self.loaded and whole not in stacked]
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    special_params = (".experts.",)
+    supports_cuda_graphs = False  # the torch experts read their row counts on the host (layers/fused_moe.py)
+
+    def __init__(self, config, quant_config=None):
+        if quant_config is not None:
+            raise NotImplementedError("quantized experts (GGUF, quantization=...) are not supported yet for "
+                                      f"{config.architectures[0]}: load its 16-bit checkpoint with quantization=None")
+        if tp_size() > 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not supported yet for mixture-of-experts models")
+        super().__init__(config, quant_config)
+
+    def make_mlp(self, config, layer_index: int, quant_config) -> nn.Module | None:
+        sparse = layer_index not in (getattr(config, "mlp_only_layers", None) or []) and config.num_experts > 0 \
+            and (layer_index + 1) % getattr(config, "decoder_sparse_step", 1) == 0
+        return Qwen3MoeSparseBlock(config) if sparse else None
+
+    def load_special(self, name: str, tensor: torch.Tensor) -> bool:
+        match = EXPERT_TENSOR.match(name)
+        if match is None:
+            return False
+        layer, expert = int(match["layer"]), match["expert"] and int(match["expert"])
+        block = self.model.layers[layer].mlp if layer < len(self.model.layers) else None
+        if not isinstance(block, Qwen3MoeSparseBlock):
+            raise ValueError(f"the checkpoint has an expert tensor {name!r} for layer {layer}, which has no experts "
+                             "in this config (mlp_only_layers / decoder_sparse_step)")
+        if expert is not None and expert >= block.experts.w13.shape[0]:
+            raise ValueError(f"the checkpoint has {name!r}, past the config's num_experts="
+                             f"{block.experts.w13.shape[0]}")
+        block.experts.load_expert(match["proj"], tensor, expert)
+        block.loaded.add((expert, match["proj"]))
+        return True
+
+    def load_weights(self, weights):
+        super().load_weights(weights)
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, Qwen3MoeSparseBlock) and (missing := layer.mlp.missing_experts()):
+                raise ValueError(f"the checkpoint lacks {len(missing)} expert tensors of layer {i}, e.g. {missing[:3]}")
