@@ -104,3 +104,21 @@ def test_a_missing_or_misshapen_expert_tensor_is_named(tmp_path, tiny_model_dir)
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks 1 expert tensors of layer 2, e.g. \['expert 4 down_proj'\]"):
         LLM(path, **kw)
+
+
+def test_synthetic_and_dummy_moe_weights_give_the_same_tokens(tmp_path):
+    """The synthetic writer covers Qwen3-MoE shapes (qwen3-30b-a3b: 30.5B parameters, 128 experts a layer), and
+    load_format="dummy" draws what it writes."""
+    import math
+
+    from nanovllm.weights.synthetic import _BASE, SHAPES, weight_shapes, write_config, write_model
+
+    shapes = weight_shapes({**_BASE, **SHAPES["qwen3-30b-a3b"]})
+    assert round(sum(math.prod(s) for s in shapes.values()) / 1e9, 1) == 30.5
+    assert "model.layers.47.mlp.experts.127.down_proj.weight" in shapes
+    written = write_model("tiny-qwen3-moe", tmp_path / "written", torch.float32, device="cpu")
+    config_only = write_config("tiny-qwen3-moe", tmp_path / "dummy", torch.float32)[0]
+    kw = dict(device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    prompt, params = {"prompt_token_ids": list(range(3, 30))}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert LLM(str(written), **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        LLM(str(config_only), load_format="dummy", **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids

@@ -91,7 +91,10 @@ def iterate_weights(model_config, device: torch.device) -> Iterator[tuple[str, t
     if model_config.format == "dummy":
         from nanovllm.weights.synthetic import random_weights
 
-        return random_weights(model_config.hf_config.to_dict(), model_config.dtype, device)
+        config = model_config.hf_config
+        # transformers' attribute aliases (Qwen3-MoE's num_experts is num_local_experts) are absent from to_dict()
+        aliases = {alias: getattr(config, alias) for alias in getattr(config, "attribute_map", {})}
+        return random_weights({**config.to_dict(), **aliases}, model_config.dtype, device)
     if model_config.format == "gguf":
         return iterate_gguf(model_config.model, model_config.hf_config, model_config.quantization == "gguf")
     return iterate_safetensors(Path(model_config.model))

@@ -27,6 +27,11 @@ SHAPES = {
     "llama3-70b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=8192,
                        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+                          hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                          max_position_embeddings=40960, rope_theta=1000000.0),
     "tiny-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=True,
@@ -38,6 +43,11 @@ SHAPES = {
     "tiny-qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=512, hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=1024, rope_theta=10000.0),
+    "tiny-qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=512, hidden_size=64,
+                           intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, num_experts=5, num_experts_per_tok=2, norm_topk_prob=True,
+                           decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=1024,
+                           rope_theta=10000.0),
     "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=32, max_position_embeddings=1024, rope_theta=10000.0),
@@ -45,9 +55,9 @@ SHAPES = {
 
 
 def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every weight of a Llama / Qwen2 / Qwen3 config (a dict)."""
+    """HF name -> shape of every weight of a Llama / Qwen2 / Qwen3 / Qwen3-MoE config (a dict)."""
     h, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    q, kv, ff = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd, c["intermediate_size"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
     if not c["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (c["vocab_size"], h)
@@ -55,14 +65,29 @@ def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
                        p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h),
-                       p + "mlp.down_proj.weight": (h, ff)})
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+        shapes.update(_mlp_shapes(c, i, p))
         if c["model_type"] == "qwen2":
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
-        if c["model_type"] == "qwen3":
+        if c["model_type"] in ("qwen3", "qwen3_moe"):
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def _mlp_shapes(c: dict, i: int, p: str) -> dict[str, tuple[int, ...]]:
+    """Layer i's MLP: dense, or (Qwen3-MoE's sparse layers) a router and each expert's three projections."""
+    h = c["hidden_size"]
+    sparse = c.get("num_experts", 0) > 0 and i not in c.get("mlp_only_layers", []) \
+        and (i + 1) % c.get("decoder_sparse_step", 1) == 0
+    if not sparse:
+        ff = c["intermediate_size"]
+        return {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h), p + "mlp.down_proj.weight": (h, ff)}
+    ff = c["moe_intermediate_size"]
+    shapes = {p + "mlp.gate.weight": (c["num_experts"], h)}
+    for e in range(c["num_experts"]):
+        shapes.update({f"{p}mlp.experts.{e}.gate_proj.weight": (ff, h), f"{p}mlp.experts.{e}.up_proj.weight": (ff, h),
+                       f"{p}mlp.experts.{e}.down_proj.weight": (h, ff)})
     return shapes
 
 
