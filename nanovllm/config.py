@@ -205,7 +205,7 @@ class Config:
         return dtype
 
     def _resolve_max_model_len(self, hf_config) -> int:
-        from nanovllm.layers.rotary_embedding import rope_parameters, scaled_max_positions
+        from nanovllm.rope_scaling import rope_parameters, scaled_max_positions
 
         limit = getattr(hf_config, "max_position_embeddings", None)
         if limit is not None:  # rope scaling reaches further (yarn: the original context times its factor)

@@ -101,8 +101,9 @@ def test_qwen3_attention_on_flash_attn_matches_torch_backend(new, rotate_here, f
     from transformers import Qwen3Config
 
     from nanovllm.kernels import paged_decode_cluster
-    from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
     from nanovllm.models.llama import LlamaAttention
+    from nanovllm.rope_scaling import rope_parameters
 
     if DEVICE == "cpu":
         pytest.importorskip("triton")  # the K/V store and rotary kernels run under the interpreter

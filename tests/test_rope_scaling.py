@@ -7,7 +7,8 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.rotary_embedding import attention_factor, compute_inv_freq, rope_parameters, scaled_max_positions
+from nanovllm.layers.rotary_embedding import attention_factor, compute_inv_freq
+from nanovllm.rope_scaling import rope_parameters, scaled_max_positions
 from nanovllm.weights.synthetic import SHAPES, write_model
 
 QWEN3_YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32768)  # Qwen3's model card

@@ -164,8 +164,9 @@ def test_qwen3_attention_on_triton_matches_torch_backend(step):
 
     from nanovllm.attention.torch_backend import TorchAttentionBackend
     from nanovllm.attention.triton_backend import TritonAttentionBackend
-    from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
     from nanovllm.models.llama import LlamaAttention
+    from nanovllm.rope_scaling import rope_parameters
 
     config = Qwen3Config(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                          max_position_embeddings=256)

@@ -4,16 +4,7 @@ import torch
 
 from nanovllm.kernels.attention_inputs import DecodeRope
 from nanovllm.layers.custom_op import CustomOp
-
-
-def rope_parameters(hf_config) -> dict:
-    """One dict for transformers 4 (rope_theta + rope_scaling) and 5 (rope_parameters)."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    scaling = getattr(hf_config, "rope_scaling", None) or {}
-    params = {**scaling, **params}
-    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
-    return params
+from nanovllm.rope_scaling import original_max_positions, scaled_max_positions
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
@@ -27,15 +18,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
                        torch.where(wavelen < old_len / high, inv_freq, blended))
 
 
-def _original_max_positions(p: dict, max_position: int) -> int:
-    return p.get("original_max_position_embeddings") or max_position
-
-
 def _yarn_inv_freq(head_dim: int, p: dict, max_position: int) -> torch.Tensor:
     """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated (divided
     by `factor`), those that turn more than beta_fast times are kept, with a linear ramp between (HF's formula)."""
     base, factor = p["rope_theta"], p["factor"]
-    old_len = _original_max_positions(p, max_position)
+    old_len = original_max_positions(p, max_position)
 
     def dim_of(rotations: float) -> float:  # the frequency index that turns `rotations` times over old_len
         return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -64,17 +51,6 @@ def attention_factor(p: dict) -> float:
     if p.get("mscale") and p.get("mscale_all_dim"):
         return float(mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"]))
     return mscale(factor)
-
-
-def scaled_max_positions(p: dict, max_position: int) -> int:
-    """The positions a scaled rotary reaches (vLLM's rule): the original context times `factor` for yarn, the
-    config's max_position_embeddings times it for linear and dynamic; llama3 configs already state theirs."""
-    kind = p["rope_type"]
-    if kind == "yarn":
-        return int(_original_max_positions(p, max_position) * p["factor"])
-    if kind in ("linear", "dynamic"):
-        return int(max_position * p["factor"])
-    return max_position
 
 
 def compute_inv_freq(head_dim: int, p: dict, max_position: int, freq_factors=None) -> torch.Tensor:

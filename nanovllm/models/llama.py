@@ -12,7 +12,8 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import LMHead, VocabEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnLinear, QKVLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.rope_scaling import rope_parameters
 
 
 class LlamaAttention(nn.Module):
