@@ -22,8 +22,8 @@ CONFIGS = {
 }
 
 
-def write_hf_moe(tmp_path, tokenizer_dir, **moe) -> str:
-    config = Qwen3MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+def write_hf_moe(tmp_path, tokenizer_dir, vocab_size: int = 512, **moe) -> str:
+    config = Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=False,
                             bos_token_id=1, eos_token_id=2, **moe)
@@ -122,3 +122,72 @@ def test_synthetic_and_dummy_moe_weights_give_the_same_tokens(tmp_path):
     prompt, params = {"prompt_token_ids": list(range(3, 30))}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert LLM(str(written), **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == \
         LLM(str(config_only), load_format="dummy", **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
+
+
+def write_qwen3moe_gguf(model: Qwen3MoeForCausalLM, path, donor: str):
+    """The model as llama.cpp's converter writes a qwen3moe file: F32 tensors under GGUF names, each layer's experts
+    stacked ([experts, rows, cols]), the tokenizer the donor's."""
+    import gguf
+
+    c, writer = model.config, gguf.GGUFWriter(str(path), "qwen3moe")
+    for add, value in ((writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, 1024),
+                       (writer.add_embedding_length, c.hidden_size), (writer.add_feed_forward_length, c.intermediate_size),
+                       (writer.add_head_count, c.num_attention_heads), (writer.add_head_count_kv, c.num_key_value_heads),
+                       (writer.add_key_length, c.head_dim), (writer.add_value_length, c.head_dim),
+                       (writer.add_rope_freq_base, c.rope_parameters["rope_theta"]),
+                       (writer.add_layer_norm_rms_eps, c.rms_norm_eps), (writer.add_vocab_size, c.vocab_size),
+                       (writer.add_expert_count, c.num_experts), (writer.add_expert_used_count, c.num_experts_per_tok),
+                       (writer.add_expert_feed_forward_length, c.moe_intermediate_size)):
+        add(value)
+    for key, field in gguf.GGUFReader(donor).fields.items():
+        if key.startswith("tokenizer."):
+            writer.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    tensors = model.state_dict()
+    experts = {}
+    for name, tensor in tensors.items():
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            gguf_name = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm",
+                         "lm_head.weight": "output"}[name] + ".weight"
+        elif ".experts." in name:
+            layer = name.split(".")[2]
+            experts.setdefault(layer, {})[name.split(".")[-1]] = tensor
+            continue
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
+        writer.add_tensor(gguf_name, tensor.float().numpy())
+    for layer, stacked in experts.items():  # transformers 5 holds them stacked: gate_up_proj [E, 2I, H], down_proj
+        gate, up = stacked["gate_up_proj"].float().chunk(2, dim=1)
+        for gguf_name, tensor in (("ffn_gate_exps", gate), ("ffn_up_exps", up), ("ffn_down_exps", stacked["down_proj"])):
+            writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", tensor.float().contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.slow  # the bundled model's tokenizer
+def test_a_qwen3moe_gguf_file_gives_the_checkpoint_tokens(tmp_path, tiny_model_dir, smollm2_path):
+    """The same weights as a qwen3moe GGUF file (F32, experts stacked as llama.cpp stores them) and as the HF
+    checkpoint: the same greedy tokens and logprobs."""
+    import gguf
+
+    vocab = len(gguf.GGUFReader(smollm2_path).fields["tokenizer.ggml.tokens"].data)
+    path = write_hf_moe(tmp_path, tiny_model_dir("tiny-qwen3"), vocab_size=vocab,
+                        **CONFIGS["top2-renormalized-mlp-only-layer"])
+    gguf_path = tmp_path / "moe.gguf"
+    write_qwen3moe_gguf(Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32), gguf_path, smollm2_path)
+    kw = dict(device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": list(range(300, 340))}, {"prompt_token_ids": [5, 9, 12]}]
+    want = LLM(path, **kw).generate(prompts, params, use_tqdm=False)
+    got = LLM(str(gguf_path), **kw).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)

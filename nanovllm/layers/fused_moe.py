@@ -60,7 +60,8 @@ class FusedMoE(nn.Module):
 
     def load_expert(self, name: str, tensor: torch.Tensor, expert: int | None):
         """One checkpoint tensor: an expert's gate_proj / up_proj / down_proj ([I, H] / [I, H] / [H, I]), or every
-        expert's at once (expert None: gate_up_proj [E, 2I, H] or [E, H, 2I], down_proj [E, H, I] or [E, I, H])."""
+        expert's at once (expert None: those stacked [E, ...] as GGUF files hold them, or gate_up_proj [E, 2I, H];
+        a stacked tensor stored input-major, [E, H, 2I], is transposed)."""
         inter = self.w2.shape[2]
         targets = {"gate_proj": (self.w13, slice(0, inter)), "up_proj": (self.w13, slice(inter, 2 * inter)),
                    "gate_up_proj": (self.w13, slice(None)), "down_proj": (self.w2, slice(None))}

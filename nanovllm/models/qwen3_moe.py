@@ -38,7 +38,7 @@ class Qwen3MoeSparseBlock(nn.Module):
         stacked = {proj for expert, proj in self.loaded if expert is None}
         held_in = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
         return [f"expert {e} {proj}" for e in range(self.experts.w13.shape[0]) for proj, whole in held_in.items()
-                if (e, proj) not in self.loaded and whole not in stacked]
+                if (e, proj) not in self.loaded and not {proj, whole} & stacked]
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
@@ -47,8 +47,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def __init__(self, config, quant_config=None):
         if quant_config is not None:
-            raise NotImplementedError("quantized experts (GGUF, quantization=...) are not supported yet for "
-                                      f"{config.architectures[0]}: load its 16-bit checkpoint with quantization=None")
+            raise NotImplementedError(f"quantized weights are not supported yet for {config.architectures[0]}: pass "
+                                      "quantization='none' (a GGUF file is then dequantized at load; the CPU default) "
+                                      "or load a 16-bit checkpoint without quantization")
         if tp_size() > 1:
             raise NotImplementedError("tensor_parallel_size > 1 is not supported yet for mixture-of-experts models")
         super().__init__(config, quant_config)

@@ -17,6 +17,9 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # a mixture of experts: the router, and every expert's projection stacked [experts, rows, cols]
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                  "output.weight": "lm_head.weight"}
@@ -79,6 +82,11 @@ def gguf_hf_config(path: str):
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
     )
+    if key("expert_count"):  # qwen3moe; llama.cpp renormalizes its top-k weights, as Qwen3-MoE's configs ask
+        kwargs.update(num_experts=key("expert_count"), num_experts_per_tok=key("expert_used_count"),
+                      moe_intermediate_size=key("expert_feed_forward_length"), norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[i for i in range(key("block_count"))
+                                                              if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names])
     scaling = key("rope.scaling.type")
     if scaling not in (None, "none"):
         kwargs["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor"),
