@@ -167,7 +167,7 @@ def bench_decode1(args, model, dtype):
         runs.append(255 / (seconds - prefill))
     decode_tps = sorted(runs)[len(runs) // 2]
     runner = llm.llm_engine.model_runner
-    bw, weight_bytes = measure_hbm_bandwidth(), weight_bytes_per_step(runner.model)
+    bw, weight_bytes = measure_hbm_bandwidth(), weight_bytes_per_step(runner.model, batch=1)
     bound = bw / (weight_bytes + kv_bytes_per_token(runner) * 640)
     print(header(args, dtype, f"bs=1, prompt 512, 256 new tokens, greedy, median of {args.repeat} run(s)"))
     print("| decode tok/s | weight-read bound tok/s | ratio | weights GB | HBM TB/s | runs |\n|---|---|---|---|---|---|")
@@ -197,7 +197,7 @@ def bench_sweep(args, model, dtype):
         seconds, _ = timed_generate(llm, prompts, SamplingParams(max_tokens=128, **greedy), args.device)
         tps = bs * 127 / (seconds - prefill)
         mean_context = 512 + 64  # tokens of KV read a step, averaged over the 128 new tokens
-        bound = bs * bw / (weight_bytes_per_step(runner.model) + bs * mean_context * kv_bytes_per_token(runner)) \
+        bound = bs * bw / (weight_bytes_per_step(runner.model, bs) + bs * mean_context * kv_bytes_per_token(runner)) \
             if bw else None
         rows.append((bs, tps, bound))
     print(header(args, dtype, "decode tok/s against batch size: 512-token prompts, 128 new tokens, greedy"))

@@ -191,3 +191,15 @@ def test_a_qwen3moe_gguf_file_gives_the_checkpoint_tokens(tmp_path, tiny_model_d
     for a, b in zip(want, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
+
+
+def test_the_active_weight_bound_counts_the_routed_experts(tmp_path, tiny_model_dir):
+    """bs=1 reads k of a layer's E experts (2 of 5 here); a large batch reaches nearly all; without a batch, all."""
+    from nanovllm.utils.benchmarking import weight_bytes_per_step
+
+    path = write_hf_moe(tmp_path, tiny_model_dir("tiny-qwen3"), **CONFIGS["top2-renormalized-mlp-only-layer"])
+    model = LLM(path, device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20).llm_engine.model_runner.model
+    experts = sum(p.numel() * 4 for name, p in model.named_parameters() if ".experts." in name)
+    everything = weight_bytes_per_step(model)
+    assert weight_bytes_per_step(model, batch=1) == pytest.approx(everything - experts * 3 / 5, abs=16)
+    assert weight_bytes_per_step(model, batch=256) == pytest.approx(everything, rel=1e-6)

@@ -48,10 +48,12 @@ def moe_per_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
 
 
 class FusedMoE(nn.Module):
-    """num_experts SiLU-gated MLPs of hidden_size -> intermediate_size -> hidden_size, their weights stacked."""
+    """num_experts SiLU-gated MLPs of hidden_size -> intermediate_size -> hidden_size, their weights stacked; each
+    token runs top_k of them."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int):
         super().__init__()
+        self.top_k = top_k
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
 

@@ -22,7 +22,8 @@ class Qwen3MoeSparseBlock(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                config.moe_intermediate_size)
         self.loaded: set[tuple[int | None, str]] = set()  # (expert or None for all, projection) of the checkpoint
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.weights.bundled import bundled_model_path
 from nanovllm.weights.synthetic import SHAPES, write_config, write_model
 
@@ -83,10 +84,11 @@ def graph_time(calls, replays: int = 20) -> float:
     return start.elapsed_time(end) / 1e3 / (replays * len(calls))
 
 
-def weight_bytes_per_step(model: torch.nn.Module) -> int:
+def weight_bytes_per_step(model: torch.nn.Module, batch: int | None = None) -> int:
     """Bytes of weights that one step reads: each parameter, buffer and quantized weight once (a tied LM head and
     embedding once), except an input embedding that the LM head does not share: a step reads only its tokens' rows
-    of that."""
+    of that. With `batch`, a mixture of experts counts the experts that many tokens route to on average under uniform
+    routing, E (1 - (1 - k / E)^batch) of a layer's E (the active weights: k of E at batch 1)."""
     embed = model.model.embed_tokens
     head = {id(t) for t in [model.lm_head.weight, *(w for _, w in getattr(model.lm_head, "qweights", []))]}
     # parameters and persistent buffers (an int8 / fp8 weight and its scales), not the rotary tables
@@ -96,6 +98,11 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     for table in (embed.weight, embed.qweight):
         if table is not None and id(table) not in head:
             weights.pop(id(table), None)
+    for module in model.modules():
+        if isinstance(module, FusedMoE) and batch is not None:
+            routed = 1 - (1 - module.top_k / module.w13.shape[0]) ** batch
+            for param in (module.w13, module.w2):
+                weights[id(param)] = int(weights[id(param)] * routed)
     return sum(weights.values())
 
 
