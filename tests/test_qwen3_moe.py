@@ -203,3 +203,32 @@ def test_the_active_weight_bound_counts_the_routed_experts(tmp_path, tiny_model_
     everything = weight_bytes_per_step(model)
     assert weight_bytes_per_step(model, batch=1) == pytest.approx(everything - experts * 3 / 5, abs=16)
     assert weight_bytes_per_step(model, batch=256) == pytest.approx(everything, rel=1e-6)
+
+
+def test_qwen2_moe_with_its_shared_expert_matches_hf(tmp_path, tiny_model_dir):
+    """Qwen2-MoE: q/k/v bias, top-4 of 7 experts without renormalisation, a shared expert behind a sigmoid gate."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, num_experts=7, num_experts_per_tok=4, norm_topk_prob=False,
+                            max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=False,
+                            bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    hf = Qwen2MoeForCausalLM(config).eval()
+    with torch.no_grad():  # spread the routers and the shared gate from HF's near-zero init
+        for name, param in hf.named_parameters():
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "bias")):
+                param.normal_(0, 0.5)
+    path = tmp_path / "qwen2-moe"
+    hf.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny_model_dir('tiny-qwen3')}/{name}", path / name)
+    llm = LLM(str(path), device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=1)
+    for prompt in ([5, 17, 300, 41], list(range(100, 160))):
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+        tokens, step_logprobs = hf_greedy(hf, prompt, 12)
+        assert out.token_ids == tokens
+        for entry, ref, token in zip(out.logprobs, step_logprobs, tokens):
+            assert abs(entry[token].logprob - ref[token].item()) < 1e-4

@@ -46,13 +46,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, quant_config=None):
+    def __init__(self, config, quant_config=None, intermediate_size: int | None = None):
+        """intermediate_size: where not the config's (a mixture of experts' shared expert)."""
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [config.intermediate_size] * 2, bias,
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [inter] * 2, bias,
                                                linear_method=_linear_method(quant_config))
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias,
-                                          linear_method=_linear_method(quant_config))
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, linear_method=_linear_method(quant_config))
         self.act = SiluAndMul()
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: only silu")

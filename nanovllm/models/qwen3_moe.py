@@ -1,7 +1,8 @@
-"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention, and in the sparse layers a mixture of experts in
-place of the MLP: a linear router over num_experts, softmax, the top num_experts_per_tok (renormalized where
-norm_topk_prob), each a SiLU-gated MLP of moe_intermediate_size. A layer is sparse unless it is in mlp_only_layers
-or (its index + 1) is not a multiple of decoder_sparse_step; dense layers keep Qwen3's MLP."""
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B), and Qwen2-MoE beside it: Qwen3's attention (Qwen2's), and in the
+sparse layers a mixture of experts in place of the MLP: a linear router over num_experts, softmax, the top
+num_experts_per_tok (renormalized where norm_topk_prob), each a SiLU-gated MLP of moe_intermediate_size (Qwen2-MoE:
+and a shared expert). A layer is sparse unless it is in mlp_only_layers or (its index + 1) is not a multiple of
+decoder_sparse_step; dense layers keep the Llama MLP."""
 import re
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 from nanovllm.distributed.parallel_state import tp_size
 from nanovllm.layers.fused_moe import FusedMoE, route_top_k
 from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.models.llama import LlamaMLP
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 
 # model.layers.L.mlp.experts.E.gate_proj.weight (a tensor an expert), or model.layers.L.mlp.experts.gate_up_proj
@@ -18,17 +20,26 @@ EXPERT_TENSOR = re.compile(r"model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?:(?P
 
 
 class Qwen3MoeSparseBlock(nn.Module):
+    """The routed experts, and where the config has shared_expert_intermediate_size (Qwen2-MoE, Qwen3-Next,
+    Qwen3.5), a shared expert every token runs, scaled by a sigmoid gate."""
+
     def __init__(self, config):
         super().__init__()
         self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.moe_intermediate_size)
+        shared = getattr(config, "shared_expert_intermediate_size", 0)
+        self.shared_expert = LlamaMLP(config, intermediate_size=shared) if shared else None
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
         self.loaded: set[tuple[int | None, str]] = set()  # (expert or None for all, projection) of the checkpoint
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_top_k(self.gate(x), self.top_k, self.renormalize)
-        return self.experts(x, weights, ids)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out += self.shared_expert_gate(x).sigmoid() * self.shared_expert(x)
+        return out
 
     def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = norm(x, residual)
@@ -81,3 +92,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         for i, layer in enumerate(self.model.layers):
             if isinstance(layer.mlp, Qwen3MoeSparseBlock) and (missing := layer.mlp.missing_experts()):
                 raise ValueError(f"the checkpoint lacks {len(missing)} expert tensors of layer {i}, e.g. {missing[:3]}")
+
+
+class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen1.5-MoE / Qwen2-MoE: Qwen2's attention (q/k/v bias, no q/k norm), a shared expert beside the routed ones."""
+
+    qkv_bias = True
+    qk_norm = False
