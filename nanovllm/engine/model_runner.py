@@ -66,8 +66,8 @@ class ModelRunner:
         self.plan = plan.with_kv(self._size_kv_cache(plan, self.kv_spec))
         self.kv_cache = kv_cache.allocate_kv_cache(self.model, self.kv_spec, self.plan.kv, config.max_num_seqs,
                                                    self.device)
-        tier = kv_cache.make_host_tier(config, self.model, self.attention_layers, self.kv_cache,
-                                       self.plan.kv.num_host_blocks, plan.fast_kernels, self.streamer is not None) \
+        tier = kv_cache.make_host_tier(config, self.model, self.attention_layers, self.kv_cache, self.plan.kv,
+                                       plan.fast_kernels, self.streamer is not None) \
             if config.kv_offloading_size is not None else None
         self.host_pool, self.layer_major = (tier.pool, tier.layer_major) if tier else (None, None)
         self.preemption = self._preemption_policy()

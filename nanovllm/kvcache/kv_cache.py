@@ -142,13 +142,12 @@ class HostTier:
     layer_major: LayerMajorPrefill | None
 
 
-def make_host_tier(config, model, attention_layers: list, kv_cache: torch.Tensor, num_blocks: int, fast: bool,
+def make_host_tier(config, model, attention_layers: list, kv_cache: torch.Tensor, layout: KVCacheLayout, fast: bool,
                    streamed: bool) -> HostTier:
-    gib = config.kv_offloading_size
-    block_bytes = kv_cache[:, :, 0].numel() * kv_cache.element_size()
-    require_host_memory(num_blocks * block_bytes, f"kv_offloading_size={gib:g}")
+    gib, num_blocks = config.kv_offloading_size, layout.num_host_blocks
+    require_host_memory(num_blocks * layout.block_bytes, f"kv_offloading_size={gib:g}")
     if num_blocks < 1:
-        raise ValueError(f"kv_offloading_size={gib} GiB holds no KV block ({block_bytes} bytes each): raise it")
+        raise ValueError(f"kv_offloading_size={gib} GiB holds no KV block ({layout.block_bytes} bytes each): raise it")
     pool = HostKVPool(kv_cache, num_blocks)
     engine = OffloadEngine(pool.pool, OFFLOAD_SLOTS, slot_blocks(pool.pool), kv_cache.device, fast=fast)
     engine.warm_up(attention_layers[0].num_heads)
