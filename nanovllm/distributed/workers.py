@@ -1,12 +1,11 @@
 """Tensor parallelism's processes: rank 0 is the engine's own process (scheduler, sampler, detokenizer); ranks
 1..N-1 are spawned here, each building the same ModelRunner over its shard of the weights (the same collectives,
-CUDA graphs included, in the same order), then following rank 0: each call of rank 0's runner that launches
-collectives (_led_calls) is first sent to the others as a command over gloo (its host values pickled, its device
-tensors broadcast on the devices, so rank 0 never waits for its GPU to send one), and every rank runs it. A steady
-decode step is one command with no tensors: its inputs are on every device already (the sampled tokens are
-broadcast inside the sampling graph). Only rank 0's results are read. A worker that fails puts its rank and
-traceback on a queue and exits; rank 0 raises with them at its next command or step, and a watchdog ends rank 0's
-process where it would wait forever on the dead worker's collectives."""
+CUDA graphs included, in the same order), then following rank 0: each step's command (engine/step_command.py) is
+sent to them over gloo (its host values pickled, its device tensors broadcast on the devices, so rank 0 never waits
+for its GPU to send one), and every rank executes it. A steady decode step's command carries no tensors: its inputs
+are on every device already (the sampled tokens are broadcast inside the sampling graph). Only rank 0 samples and
+reads results. A worker that fails puts its rank and traceback on a queue and exits; rank 0 raises with them at its
+next step, and a watchdog ends rank 0's process where it would wait forever on the dead worker's collectives."""
 import dataclasses
 import logging
 import math
@@ -90,22 +89,6 @@ def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.uint8 if dtype == torch.bool else dtype  # NCCL has no bool
 
 
-def _led_calls(runner) -> list[tuple[str, object, str]]:
-    """(kind, object, method) of every call of rank 0's runner that the other ranks repeat: each launches work
-    whose collectives pair up across the ranks."""
-    calls = [("forward", runner.model, "forward"), ("logits", runner.model, "compute_logits")]
-    if runner.host_pool is not None:
-        calls.append(("copy_blocks", runner, "copy_blocks"))
-    if runner.layer_major is not None:
-        calls.append(("layer_major.run", runner.layer_major, "run"))
-    if runner.graphs is not None:
-        calls += [(f"graphs.{m}", runner.graphs, m) for m in
-                  ("run", "replay", "sample", "set_blocks", "advance", "run_steady")]
-    if runner.prefill_graphs is not None:
-        calls.append(("prefill_graphs.run", runner.prefill_graphs, "run"))
-    return calls
-
-
 def _worker_main(runner_class, config, rank: int, init_method: str, stop_token_ids: set[int], errors):
     runner = None
     try:
@@ -115,12 +98,10 @@ def _worker_main(runner_class, config, rank: int, init_method: str, stop_token_i
         init_tensor_parallel(rank, config.tensor_parallel_size, init_method, device,
                              not config.disable_custom_all_reduce)
         runner = runner_class(config, stop_token_ids)
-        calls = {kind: getattr(obj, method) for kind, obj, method in _led_calls(runner)}
         with torch.inference_mode():
-            while (command := broadcast_command())[0] != "exit":
-                kind, args, kwargs, slots = command
-                tensors = _receive_tensors(slots, device)
-                calls[kind](*_join(args, tensors), **_join(kwargs, tensors))
+            while (message := broadcast_command()) is not None:
+                command, slots = message
+                runner.execute(_join(command, _receive_tensors(slots, device)))
     except BaseException:  # noqa: BLE001 - any failure ends the job, with its rank
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1)
@@ -129,7 +110,7 @@ def _worker_main(runner_class, config, rank: int, init_method: str, stop_token_i
 
 
 class TensorParallelWorkers:
-    """Ranks 1..N-1, started before rank 0 builds its ModelRunner; follow() makes rank 0's model lead them."""
+    """Ranks 1..N-1, started before rank 0 builds its ModelRunner; follow() makes rank 0's runner lead them."""
 
     def __init__(self, runner_class, config, stop_token_ids: set[int]):
         """runner_class: the engine's ModelRunner, which each rank builds (passed in: distributed/ sits below the
@@ -148,8 +129,6 @@ class TensorParallelWorkers:
         if device.type == "cpu":
             share_cpu_threads(size)
         log_once(f"tensor parallel over {size} {'GPUs' if device.type == 'cuda' else 'CPU processes (gloo)'}", logging.DEBUG)
-        self._leading = False
-        self._led: list[tuple[object, str]] = []  # (object, method) of each patched call of rank 0
         self._reported = threading.Event()  # rank 0 has raised a worker's failure (the watchdog then lets it be)
         self._closing = threading.Event()
         # rank 0's CUDA graphs, once followed: freed before the communicator (held here, not through the runner,
@@ -161,35 +140,25 @@ class TensorParallelWorkers:
         init_tensor_parallel(0, size, init_method, device, not config.disable_custom_all_reduce)
 
     def follow(self, runner):
-        """Make every call of rank 0's runner that launches collectives (the model's forward and LM head, the CUDA
-        graphs' replays and their inputs, the step's KV block copies: each rank moves its heads' part) run on
-        every rank. A call's device tensors go to the other ranks by broadcast, without waiting for the device."""
+        """Send every step of rank 0's runner to the other ranks (its device tensors by broadcast, without waiting for
+        the device), and watch them while rank 0 waits for a step."""
         self.device = runner.device
         self._graphs.extend(runner.captured_graphs())
-        runner.wait_for = self._wait_for
-        self._led = [(obj, method) for _, obj, method in _led_calls(runner)]
-        for kind, obj, method in _led_calls(runner):
-            setattr(obj, method, self._leader(kind, getattr(obj, method)))
+        runner.followers = self
 
-    def _leader(self, kind: str, call):
-        def lead(*args, **kwargs):
-            if self._leading:  # a led call inside another (graphs.run replays): the other ranks do the same
-                return call(*args, **kwargs)
-            tensors = []
-            command = (kind, _split(args, self.device, tensors), _split(kwargs, self.device, tensors),
-                       [_TensorSlot(i, tuple(t.shape), t.dtype) for i, t in enumerate(tensors)])
-            self._send(command)
-            self._leading = True
-            try:
-                _send_tensors(tensors)
-                return call(*args, **kwargs)
-            except RuntimeError as error:
-                raise self._worker_error(error) from error
-            finally:
-                self._leading = False
-        return lead
+    def lead(self, command, run):
+        """Send a step command to the other ranks (its device tensors by broadcast), then run it here: run()."""
+        tensors = []
+        message = (_split(command, self.device, tensors), [_TensorSlot(i, tuple(t.shape), t.dtype)
+                                                            for i, t in enumerate(tensors)])
+        self._send(message)
+        try:
+            _send_tensors(tensors)
+            return run()
+        except RuntimeError as error:
+            raise self._worker_error(error) from error
 
-    def _wait_for(self, event: torch.cuda.Event):
+    def wait_for(self, event: torch.cuda.Event):
         """event.synchronize(), except that a dead worker (whose peers' collectives never end) raises."""
         checked = time.monotonic()
         while not event.query():
@@ -211,11 +180,7 @@ class TensorParallelWorkers:
         return _worker_error(self.errors, error)
 
     def close(self):
-        """End the workers, and give rank 0's methods back (the leading closures hold both the methods' objects and
-        these workers: a cycle that would keep the model alive after the engine is given up)."""
-        for obj, method in self._led:
-            vars(obj).pop(method, None)
-        self._led = []
+        """End the workers."""
         self._finalizer()
 
     def abort(self):
@@ -268,7 +233,7 @@ def _shut_down(processes, closing: threading.Event, graph_dicts: list[dict]):
     closing.set()
     try:
         if any(p.is_alive() for p in processes):
-            broadcast_command(("exit",))
+            broadcast_command(None)
     except RuntimeError:
         pass
     for process in processes:

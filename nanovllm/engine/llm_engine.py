@@ -66,8 +66,7 @@ class LLMEngine:
         self._steps_without_a_token = 0
 
     def shutdown(self):
-        """End the tensor-parallel workers (and undo their hold on the runner); the rest goes with the last
-        reference."""
+        """End the tensor-parallel workers; the rest goes with the last reference."""
         if self.workers is not None:
             self.workers.close()
         self._in_flight = None

@@ -1,47 +1,34 @@
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from nanovllm.attention import get_attention_backend
 from nanovllm.config import Config
 from nanovllm.device_arrays import to_device
-from nanovllm.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from nanovllm.distributed.parallel_state import all_reduce, broadcast, tp_rank, tp_size
 from nanovllm.engine.cpu_allocator import keep_freed_memory
 from nanovllm.engine.input_batch import SteadyDecode, prepare_inputs
 from nanovllm.engine.model_loader import apply_kernels, load_model
 from nanovllm.engine.plan import ExecutionPlan
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_command import (
+    DECODE_GRAPH,
+    EAGER,
+    LAYER_MAJOR,
+    PREFILL_GRAPH,
+    STEADY,
+    RunnerOutput,
+    StepCommand,
+    StepHandle,
+)
 from nanovllm.kvcache import kv_cache
 from nanovllm.kvcache.block_copy import BlockCopy, run_block_copies
-from nanovllm.kvcache.preemption import PreemptionPolicy, measured_policy
+from nanovllm.kvcache.preemption import preemption_policy
 from nanovllm.kvcache.spec import KVCacheSpec, model_kv_cache_spec
 from nanovllm.layers.attention import Attention
-from nanovllm.layers.logprobs import PROMPT_LOGPROBS_CHUNK, TokenLogprobs, gather_logprobs, prompt_logprobs
-from nanovllm.layers.sampler import Sampler, prepare_sampling
+from nanovllm.layers.logprobs import PROMPT_LOGPROBS_CHUNK, PromptScoring, TokenLogprobs, gather_logprobs
+from nanovllm.layers.sampler import Sampler, SamplingTensors, prepare_sampling
 from nanovllm.logger import logger
 from nanovllm.sampling_params import SamplingParams
-
-
-@dataclass
-class StepHandle:
-    """A step launched on the device whose sampled tokens may still be in flight."""
-
-    seqs: list[Sequence]
-    prompt_logprobs: list[list[TokenLogprobs]]
-    sample_idx: list[int]  # rows of seqs that sample a token this step
-    tokens: torch.Tensor | None = None  # [len(sample_idx)] on the device
-    tokens_host: torch.Tensor | None = None
-    ready: torch.cuda.Event | None = None
-    raw_logprobs: torch.Tensor | None = None
-    max_logprobs: int = -1
-
-
-@dataclass
-class RunnerOutput:
-    sampled: list[int | None]  # per scheduled seq: the new token, None while its prompt is still filling
-    logprobs: list[TokenLogprobs | None]  # per scheduled seq, when it asked for logprobs
-    prompt_logprobs: list[list[TokenLogprobs]]  # per scheduled seq: entries for this step's prompt positions
 
 
 class ModelRunner:
@@ -70,7 +57,8 @@ class ModelRunner:
                                        plan.fast_kernels, self.streamer is not None) \
             if config.kv_offloading_size is not None else None
         self.host_pool, self.layer_major = (tier.pool, tier.layer_major) if tier else (None, None)
-        self.preemption = self._preemption_policy()
+        self.preemption = preemption_policy(config.preemption_mode, self.kv_cache, tier and tier.pool.pool,
+                                            self.hf_config, self.attention_layers[0])
         if self.device.type == "cpu":
             keep_freed_memory()  # after loading: load-time temporaries are returned to the OS as before
         self.sampler = Sampler(use_triton=plan.fast_kernels)
@@ -87,7 +75,7 @@ class ModelRunner:
             logger.info(self.plan.table(mc.max_model_len))
         self.steady: SteadyDecode | None = None
         self.num_steady_steps = 0  # statistics: decode steps launched with no inputs from the host
-        self.wait_for = torch.cuda.Event.synchronize  # how the host waits for a step (tensor parallel: watching its workers)
+        self.followers = None  # tensor parallelism's other ranks (distributed/workers.py): each step is sent to them
 
     def captured_graphs(self) -> list[dict]:
         """The dicts of every captured CUDA graph (tensor parallelism frees them before its communicator, which
@@ -107,16 +95,6 @@ class ModelRunner:
         num_host = kv_cache.num_host_blocks(cfg.kv_offloading_size, spec)
         kv_cache.check_capacity(num_blocks, num_host, cfg.block_size, mc.max_model_len)
         return kv_cache.KVCacheLayout(num_blocks, num_host, cfg.block_size, spec.block_bytes)
-
-    def _preemption_policy(self) -> PreemptionPolicy:
-        """preemption_mode as set, or (None, with a host pool) the swap-or-recompute costs measured now."""
-        mode = self.config.preemption_mode
-        if self.host_pool is None or mode is not None:
-            return PreemptionPolicy(mode or "recompute")
-        c, attn = self.hf_config, self.attention_layers[0]
-        q, kv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        layer_params = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
-        return measured_policy(self.kv_cache, self.host_pool.pool, 2 * c.num_hidden_layers * layer_params)
 
     @torch.inference_mode()
     def _warm_up_sampling(self):
@@ -145,10 +123,8 @@ class ModelRunner:
         """Start one step on the device, after its block copies, and return without waiting for its tokens.
         `input_ids_from` (tokens, src, dst): input ids dst are rows src of a previous step's sampled tokens, still on
         the device (a pipelined step; the host holds placeholders for them)."""
-        if block_copies:
-            self.copy_blocks(block_copies)
         if self.steady is not None and self.steady.continues(seqs):
-            return self._launch_steady()
+            return self._launch_steady(list(block_copies))
         self.steady = None
         input_ids, positions, meta = prepare_inputs(seqs, self.plan.kv.block_size, self.gqa_group, self.device)
         if input_ids_from is not None:
@@ -158,73 +134,142 @@ class ModelRunner:
             elif src:
                 rows = self._to_device(np.array([src, dst], dtype=np.int64), torch.int64)
                 input_ids.index_copy_(0, rows[1], tokens[rows[0]])
-        hidden, all_logits = self._forward(seqs, input_ids, positions, meta)
-        handle = StepHandle(seqs, prompt_logprobs(seqs, hidden, meta.query_start_loc_cpu, self.model.compute_logits,
-                                                  self._to_device),
-                            [i for i, s in enumerate(seqs) if s.is_prefill_done])
+        scoring = PromptScoring(seqs, meta.query_start_loc_cpu)
+        command = StepCommand(self._path(seqs, input_ids, meta), list(block_copies), input_ids, positions, meta,
+                              prompt_rows=[self._to_device(rows, torch.int64) for rows in scoring.row_chunks])
+        if command.path == LAYER_MAJOR:
+            seq = seqs[0]
+            command.layer_major = (seq.num_computed_tokens, seq.host_blocks, seq.block_table[len(seq.host_blocks):])
+        handle = StepHandle(seqs, scoring.out, [i for i, s in enumerate(seqs) if s.is_prefill_done])
+        sampling = self._plan_sampling(command, handle) if handle.sample_idx else None
+        handle.tokens = self._execute_led(command, sampling and self._sampler_for(handle, sampling), scoring.add)
         if handle.sample_idx:
-            self._sample(handle, hidden, all_logits, meta)
+            handle.max_logprobs = sampling.max_logprobs
+            self._read_back(handle, from_ring=self.steady is not None)
         return handle
 
-    def copy_blocks(self, block_copies: list[BlockCopy]):
-        run_block_copies(block_copies, self.kv_cache, self.host_pool.pool)
-
-    def _forward(self, seqs, input_ids, positions, meta) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(hidden states, or a decode graph's logits of every row): a layer-major prefill, an eager step over host
-        blocks, a graph replay, or an eager step."""
+    def _path(self, seqs: list[Sequence], input_ids: torch.Tensor, meta) -> str:
+        """A layer-major prefill, a decode graph replay, a prefill graph replay, or an eager step (attention over
+        host blocks runs eagerly)."""
         if self.layer_major is not None and self.layer_major.takes(seqs):  # kvcache/layer_major.py
-            seq = seqs[0]
-            return self.layer_major.run(input_ids, positions, seq.num_computed_tokens, seq.host_blocks,
-                                        seq.block_table[len(seq.host_blocks):]), None
+            return LAYER_MAJOR
         if meta.offloaded is None and self.graphs is not None and meta.num_decodes == len(seqs) \
                 and self.graphs.can_run(len(seqs)):
-            return None, self.graphs.run(input_ids, positions, meta)
+            return DECODE_GRAPH
         if meta.offloaded is None and self.prefill_graphs is not None \
                 and self.prefill_graphs.can_run(meta, input_ids.shape[0]):
-            return self.prefill_graphs.run(input_ids, positions, meta), None
-        return self.model(input_ids, positions, meta), None  # (attention over host blocks runs eagerly)
+            return PREFILL_GRAPH
+        return EAGER
 
-    def _sample(self, handle: StepHandle, hidden, all_logits, meta):
-        seqs = handle.seqs
-        tensors = self.prepare_sampling([seqs[i] for i in handle.sample_idx])
-        every_row = len(handle.sample_idx) == len(seqs)
-        steady = all_logits is not None and every_row and tensors.steady
+    def _plan_sampling(self, command: StepCommand, handle: StepHandle) -> SamplingTensors:
+        """Which rows sample and how: the decode graph's sampling graph, or rank 0's sampler on their logits (then,
+        for a batch that decodes again, the tokens become the graph's next inputs on the device)."""
+        seqs, idx = handle.seqs, handle.sample_idx
+        tensors = self.prepare_sampling([seqs[i] for i in idx])
+        every_row = len(idx) == len(seqs)
+        steady = command.path == DECODE_GRAPH and every_row and tensors.steady
+        command.num_samples = len(idx)
         if steady and tensors.temperature_only:
-            # the decode graph's own sampling: it also leaves the next step's inputs on the device
-            handle.tokens = self.graphs.sample(tensors.temperature, tensors.seeds, tensors.steps)
+            command.graph_sampling = (tensors.temperature, tensors.seeds, tensors.steps)
+        elif command.path == DECODE_GRAPH:
+            command.sample_rows = None if every_row else self._to_device(idx, torch.int64)
         else:
-            if all_logits is not None:  # a decode graph: one row per sequence
-                logits = all_logits if every_row else all_logits[self._to_device(handle.sample_idx, torch.int64)]
-            else:
-                logits = self._compute_logits(hidden, [meta.query_start_loc_cpu[i + 1] - 1 for i in handle.sample_idx])
-            handle.tokens, handle.raw_logprobs = self.sampler(logits, tensors)
-            if steady:
-                self.graphs.advance(handle.tokens, tensors.steps)
+            command.sample_rows = self._logit_rows([command.meta.query_start_loc_cpu[i + 1] - 1 for i in idx],
+                                                   command.input_ids.shape[0])
         if steady:
-            self.steady = SteadyDecode(seqs, [len(s.block_table) for s in seqs], meta.max_seq_len,
+            command.advance_steps = None if tensors.temperature_only else tensors.steps
+            self.steady = SteadyDecode(seqs, [len(s.block_table) for s in seqs], command.meta.max_seq_len,
                                        None if tensors.temperature_only else tensors)
-        handle.max_logprobs = tensors.max_logprobs
-        self._read_back(handle, from_ring=steady)
+        return tensors
 
-    def _launch_steady(self) -> StepHandle:
+    def _logit_rows(self, rows: list[int], num_rows: int) -> torch.Tensor | None:
+        """The rows of hidden whose logits are sampled (None: all of them); on CUDA padded to a warmed-up bucket
+        (repeats of the last), so that cuBLAS never meets a new LM head shape mid-run."""
+        n = len(rows)
+        if self.logit_row_buckets is not None:
+            rows = rows + rows[-1:] * (next(b for b in self.logit_row_buckets if b >= n) - n)
+        every_row = n == num_rows and len(rows) == n  # rows are increasing: then they are all of hidden
+        return None if every_row else self._to_device(rows, torch.int64)
+
+    def _sampler_for(self, handle: StepHandle, tensors: SamplingTensors):
+        def sample(logits: torch.Tensor) -> torch.Tensor:
+            tokens, handle.raw_logprobs = self.sampler(logits, tensors)
+            return tokens
+        return sample
+
+    def _launch_steady(self, block_copies: list[BlockCopy]) -> StepHandle:
         """The steady batch's next decode step: its new KV blocks, then the decode graph and its sampling (the
         sampling graph, or the eager sampler and the advance kernel)."""
         steady = self.steady
         seqs = steady.seqs
-        entries = steady.new_blocks()
-        if entries:
-            rows, columns, block_ids = self._to_device(np.array(entries, dtype=np.int64).T.copy(), torch.int64)
-            self.graphs.set_blocks(rows, columns, block_ids)
         steady.max_seq_len += 1
         self.num_steady_steps += 1
+        command = StepCommand(STEADY, block_copies, steady=(len(seqs), steady.max_seq_len), num_samples=len(seqs))
+        if entries := steady.new_blocks():
+            command.new_blocks = tuple(self._to_device(np.array(entries, dtype=np.int64).T.copy(), torch.int64))
+        if steady.sampling is not None:
+            command.advance_steps = steady.sampling.steps
         handle = StepHandle(seqs, [[] for _ in seqs], list(range(len(seqs))))
-        if steady.sampling is None:
-            handle.tokens = self.graphs.run_steady(len(seqs), steady.max_seq_len)
-        else:
-            handle.tokens, _ = self.sampler(self.graphs.replay(len(seqs), steady.max_seq_len), steady.sampling)
-            self.graphs.advance(handle.tokens, steady.sampling.steps)
+        sample = None if steady.sampling is None else lambda logits: self.sampler(logits, steady.sampling)[0]
+        handle.tokens = self._execute_led(command, sample)
         self._read_back(handle, from_ring=True)
         return handle
+
+    def _execute_led(self, command: StepCommand, sample=None, score=None) -> torch.Tensor | None:
+        if self.followers is None:
+            return self.execute(command, sample, score)
+        return self.followers.lead(command, lambda: self.execute(command, sample, score))
+
+    def execute(self, command: StepCommand, sample=None, score=None) -> torch.Tensor | None:
+        """Run a step command; every tensor-parallel rank runs the same one. Rank 0 passes sample (logits -> tokens)
+        and score (chunk, logits of command.prompt_rows[chunk]) and gets the sampled tokens on the device."""
+        if command.block_copies:
+            run_block_copies(command.block_copies, self.kv_cache, self.host_pool.pool)
+        if command.path == STEADY:
+            return self._execute_steady(command, sample)
+        hidden, logits = self._forward(command)
+        for chunk, rows in enumerate(command.prompt_rows):
+            chunk_logits = self.model.compute_logits(hidden[rows])
+            if score is not None:
+                score(chunk, chunk_logits)
+        if not command.num_samples:
+            return None
+        if command.graph_sampling is not None:
+            return self.graphs.sample(*command.graph_sampling)
+        rows = command.sample_rows
+        if logits is None:
+            logits = self.model.compute_logits(hidden if rows is None else hidden[rows])[:command.num_samples]
+        elif rows is not None:
+            logits = logits[rows]
+        return self._sample_and_advance(command, logits, sample)
+
+    def _forward(self, command: StepCommand) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(hidden states, or a decode graph's logits of every row)."""
+        ids, positions, meta = command.input_ids, command.positions, command.meta
+        if command.path == LAYER_MAJOR:
+            return self.layer_major.run(ids, positions, *command.layer_major), None
+        if command.path == DECODE_GRAPH:
+            return None, self.graphs.run(ids, positions, meta)
+        if command.path == PREFILL_GRAPH:
+            return self.prefill_graphs.run(ids, positions, meta), None
+        return self.model(ids, positions, meta), None
+
+    def _execute_steady(self, command: StepCommand, sample) -> torch.Tensor:
+        n, max_seq_len = command.steady
+        if command.new_blocks is not None:
+            self.graphs.set_blocks(*command.new_blocks)
+        if command.advance_steps is None:
+            return self.graphs.run_steady(n, max_seq_len)
+        return self._sample_and_advance(command, self.graphs.replay(n, max_seq_len), sample)
+
+    def _sample_and_advance(self, command: StepCommand, logits: torch.Tensor, sample) -> torch.Tensor:
+        """Rank 0 samples (the other ranks hold a buffer); a batch that decodes again takes rank 0's tokens as the
+        decode graph's next inputs on every rank."""
+        tokens = sample(logits) if sample is not None else \
+            torch.empty(command.num_samples, dtype=torch.int64, device=self.device)
+        if command.advance_steps is not None:
+            self.graphs.advance(broadcast(tokens), command.advance_steps)
+        return tokens
 
     def _read_back(self, handle: StepHandle, from_ring: bool = False):
         """Start copying the handle's tokens to the host; from_ring: the decode graphs' advance kernel writes them
@@ -240,17 +285,6 @@ class ModelRunner:
         handle.ready = torch.cuda.Event()
         handle.ready.record()
 
-    def _compute_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """Logits of hidden's `rows`; on CUDA the LM head runs on a warmed-up bucket of rows (repeats of the
-        last), so that cuBLAS never meets a new shape mid-run."""
-        n = len(rows)
-        padded = rows
-        if self.logit_row_buckets is not None:
-            padded = rows + rows[-1:] * (next(b for b in self.logit_row_buckets if b >= n) - n)
-        every_row = n == hidden.shape[0] and len(padded) == n  # rows are increasing: then they are all of hidden
-        picked = hidden if every_row else hidden[self._to_device(padded, torch.int64)]
-        return self.model.compute_logits(picked)[:n]
-
     @torch.inference_mode()
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step's tokens."""
@@ -259,7 +293,7 @@ class ModelRunner:
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         if handle.sample_idx:
             if handle.ready is not None:
-                self.wait_for(handle.ready)
+                self.followers.wait_for(handle.ready) if self.followers else handle.ready.synchronize()
             token_list = handle.tokens_host.tolist()
             lp = (gather_logprobs(handle.raw_logprobs, handle.tokens, handle.max_logprobs)
                   if handle.raw_logprobs is not None else None)

@@ -34,6 +34,18 @@ class PreemptionPolicy:
         return swap
 
 
+def preemption_policy(mode: str | None, kv_cache: torch.Tensor, pool: torch.Tensor | None, hf_config,
+                      attention) -> PreemptionPolicy:
+    """preemption_mode as set, or (None, with a host pool) the swap-or-recompute costs measured now. attention: one
+    of the model's attention layers (its heads give the layer's parameter count)."""
+    if pool is None or mode is not None:
+        return PreemptionPolicy(mode or "recompute")
+    c = hf_config
+    q, kv = attention.num_heads * attention.head_dim, attention.num_kv_heads * attention.head_dim
+    layer_params = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    return measured_policy(kv_cache, pool, 2 * c.num_hidden_layers * layer_params)
+
+
 def measured_policy(kv_cache: torch.Tensor, pool: torch.Tensor, flops_per_token: float) -> PreemptionPolicy:
     """The costs timed once: a copy of up to 64 MiB of blocks each way between the device cache and the pool, and a
     matmul in the cache's dtype."""

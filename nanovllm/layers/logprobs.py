@@ -1,9 +1,10 @@
 """Log-probabilities: of the sampled tokens (SamplingParams.logprobs) and of every prompt token given the ones before
 (prompt_logprobs, offline scoring), with their ranks and the top-k."""
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from nanovllm.device_arrays import to_device
 
 PROMPT_LOGPROBS_CHUNK = 1024  # rows of [rows, vocab] fp32 logits alive at once while scoring prompts
 
@@ -28,27 +29,30 @@ def gather_logprobs(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> li
             zip(targets.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())]
 
 
-def prompt_logprobs(seqs, hidden: torch.Tensor, starts: list[int], compute_logits: Callable,
-                    to_device: Callable) -> list[list[TokenLogprobs]]:
-    """For each of a step's sequences (`starts`: their first rows of `hidden`), the log-likelihood of each prompt
-    token this step reaches given the ones before, PROMPT_LOGPROBS_CHUNK rows of logits at a time (never a whole
-    [tokens, vocab] fp32 matrix for a long prompt)."""
-    out: list[list[TokenLogprobs]] = [[] for _ in seqs]
-    rows, targets, owners = [], [], []
-    for i, seq in enumerate(seqs):
-        if not seq.wants_prompt_logprobs:
-            continue
-        start = seq.num_computed_tokens
-        end = min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
-        for pos in range(start, end):
-            rows.append(starts[i] + pos - start)
-            targets.append(seq.token_ids[pos + 1])
-            owners.append(i)
-    k = max((seqs[i].params.prompt_logprobs for i in set(owners)), default=0)
-    for c in range(0, len(rows), PROMPT_LOGPROBS_CHUNK):
-        chunk = slice(c, c + PROMPT_LOGPROBS_CHUNK)
-        logits = compute_logits(hidden[to_device(rows[chunk], torch.int64)])
-        entries = gather_logprobs(logits.float().log_softmax(-1), to_device(targets[chunk], torch.int64), k)
-        for owner, entry in zip(owners[chunk], entries):
-            out[owner].append(entry)
-    return out
+class PromptScoring:
+    """The log-likelihood of each prompt token a step reaches, given the ones before (offline scoring): the rows of
+    the step's hidden states whose logits score them, PROMPT_LOGPROBS_CHUNK rows at a time (never a whole
+    [tokens, vocab] fp32 matrix for a long prompt), and their entries per sequence as each chunk's logits arrive."""
+
+    def __init__(self, seqs, starts: list[int]):
+        """starts: each sequence's first row of the step's hidden states."""
+        self.out: list[list[TokenLogprobs]] = [[] for _ in seqs]
+        rows, self.targets, self.owners = [], [], []
+        for i, seq in enumerate(seqs):
+            if not seq.wants_prompt_logprobs:
+                continue
+            start = seq.num_computed_tokens
+            end = min(start + seq.num_scheduled_tokens, seq.num_prompt_tokens - 1)
+            for pos in range(start, end):
+                rows.append(starts[i] + pos - start)
+                self.targets.append(seq.token_ids[pos + 1])
+                self.owners.append(i)
+        self.k = max((seqs[i].params.prompt_logprobs for i in set(self.owners)), default=0)
+        self.row_chunks = [rows[c:c + PROMPT_LOGPROBS_CHUNK] for c in range(0, len(rows), PROMPT_LOGPROBS_CHUNK)]
+
+    def add(self, chunk: int, logits: torch.Tensor):
+        """The logits of row_chunks[chunk]."""
+        part = slice(chunk * PROMPT_LOGPROBS_CHUNK, (chunk + 1) * PROMPT_LOGPROBS_CHUNK)
+        targets = to_device(self.targets[part], torch.int64, logits.device)
+        for owner, entry in zip(self.owners[part], gather_logprobs(logits.float().log_softmax(-1), targets, self.k)):
+            self.out[owner].append(entry)
