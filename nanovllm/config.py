@@ -5,6 +5,9 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from nanovllm.logger import log_once
+from nanovllm.platform import default_block_size, why_no_fp8
+from nanovllm.rope_scaling import rope_parameters, scaled_max_positions
+from nanovllm.weights.model_files import LOAD_FORMATS, load_model_config
 
 AT_LOAD = ("fp8", "int8", "int4")  # quantization of a 16-bit checkpoint at load
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -85,8 +88,6 @@ class Config:
     model_config: ModelConfig = field(init=False)
 
     def __post_init__(self):
-        from nanovllm.weights.model_files import load_model_config  # heavy imports stay lazy
-
         self.device = self._resolve_device(self.device)
         self.max_num_seqs = 256 if self.max_num_seqs is None else self.max_num_seqs
         self.enable_prefix_caching = self.enable_prefix_caching is not False
@@ -113,16 +114,12 @@ class Config:
         _require(self.disk_offload_gb >= 0, f"disk_offload_gb must be >= 0 (GiB), got {self.disk_offload_gb}")
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                  f"kv_cache_memory_bytes must be None or > 0, got {self.kv_cache_memory_bytes}")
-        from nanovllm.weights.model_files import LOAD_FORMATS
-
         _require(self.load_format in LOAD_FORMATS, f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
                  f"{self.load_format!r}")
         hf_config, fmt = load_model_config(self.model, self.load_format)
         quantization = self._resolve_quantization(fmt)
         dtype = self._resolve_dtype(hf_config, fmt, quantization)
         if self.block_size is None:
-            from nanovllm.attention.selector import default_block_size
-
             self.block_size = default_block_size(self.device, self.attention_backend, dtype)
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
                  f"block_size must be a power of two from 1 to 256, got {self.block_size}")
@@ -168,8 +165,6 @@ class Config:
             _require(fmt != "gguf", f"quantization={q!r} asks to quantize a 16-bit checkpoint, but {self.model} is a "
                                     "GGUF file, already quantized; pass quantization=None to keep its types")
             if q == "fp8":
-                from nanovllm.quant.per_channel import why_no_fp8
-
                 why_not = why_no_fp8(torch.device(self.device))
                 _require(why_not is None, f"{why_not}; use quantization='int8' or 'int4'")
         if q == "gguf":
@@ -205,8 +200,6 @@ class Config:
         return dtype
 
     def _resolve_max_model_len(self, hf_config) -> int:
-        from nanovllm.rope_scaling import rope_parameters, scaled_max_positions
-
         limit = getattr(hf_config, "max_position_embeddings", None)
         if limit is not None:  # rope scaling reaches further (yarn: the original context times its factor)
             limit = scaled_max_positions(rope_parameters(hf_config), limit)

@@ -10,8 +10,9 @@ import torch
 from test_triton_kernels import _step
 
 from nanovllm.attention import flash_attn_backend
-from nanovllm.attention.selector import default_block_size, get_attention_backend
+from nanovllm.attention.selector import get_attention_backend
 from nanovllm.attention.torch_backend import TorchAttentionBackend
+from nanovllm.platform import default_block_size
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

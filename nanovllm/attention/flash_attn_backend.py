@@ -7,25 +7,14 @@ in. Decode steps of at most 4 sequences run the CUDA decode kernel of the triton
 (kernels.paged_decode_cluster: bs=1 decode of Qwen3-0.6B on the H100 ran 801 tok/s through flash-attn, 1,096
 through that kernel); decode steps therefore take q and k unrotated, and the others are rotated here first.
 Reference: torch_backend."""
-import functools
-
 import torch
 
 from nanovllm.attention.backend import AttentionBackend, decode_context_bound, rotate_decode
 from nanovllm.attention.metadata import AttentionMetadata
 from nanovllm.attention.torch_backend import TorchAttentionBackend
-
-PAGE_MULTIPLE = 256
-DTYPES = (torch.float16, torch.bfloat16)  # what its kernels run
-
-
-@functools.cache
-def flash_attn_available() -> bool:
-    try:
-        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from nanovllm.platform import FLASH_ATTN_DTYPES as DTYPES
+from nanovllm.platform import FLASH_ATTN_PAGE as PAGE_MULTIPLE
+from nanovllm.platform import flash_attn_available
 
 
 class FlashAttnBackend(AttentionBackend):

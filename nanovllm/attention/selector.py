@@ -4,6 +4,7 @@ import torch
 
 from nanovllm.attention.backend import AttentionBackend
 from nanovllm.logger import log_once
+from nanovllm.platform import FLASH_ATTN_DTYPES, FLASH_ATTN_PAGE, flash_attn_available
 
 BACKENDS = ("torch", "triton", "flash_attn")
 
@@ -11,16 +12,14 @@ BACKENDS = ("torch", "triton", "flash_attn")
 def _default(device: str, block_size: int, dtype: torch.dtype) -> str:
     if not device.startswith("cuda"):
         return "torch"
-    from nanovllm.attention.flash_attn_backend import DTYPES, PAGE_MULTIPLE, flash_attn_available
-
     if flash_attn_available():
-        if dtype not in DTYPES:
+        if dtype not in FLASH_ATTN_DTYPES:
             log_once(f"flash_attn is importable, but runs float16 and bfloat16 only (dtype={dtype}): attention runs "
                      "the triton backend")
-        elif block_size % PAGE_MULTIPLE == 0:
+        elif block_size % FLASH_ATTN_PAGE == 0:
             return "flash_attn"
         else:
-            log_once(f"flash_attn is importable, but its paged kernels need block_size a multiple of {PAGE_MULTIPLE} "
+            log_once(f"flash_attn is importable, but its paged kernels need block_size a multiple of {FLASH_ATTN_PAGE} "
                      f"(block_size={block_size}): attention runs the triton backend")
     try:
         import triton  # noqa: F401
@@ -28,15 +27,6 @@ def _default(device: str, block_size: int, dtype: torch.dtype) -> str:
         log_once("triton is not importable: attention runs the torch reference backend on the GPU")
         return "torch"
     return "triton"
-
-
-def default_block_size(device: str, attention_backend: str | None, dtype: torch.dtype) -> int:
-    """KV block size when the user gives none: flash_attn's paged kernels need 256, the others take vLLM's 16."""
-    from nanovllm.attention.flash_attn_backend import DTYPES, PAGE_MULTIPLE, flash_attn_available
-
-    wants_flash = attention_backend == "flash_attn" or (attention_backend is None and device.startswith("cuda")
-                                                        and dtype in DTYPES)
-    return PAGE_MULTIPLE if wants_flash and flash_attn_available() else 16
 
 
 def get_attention_backend(name: str | None, device: str, max_model_len: int, block_size: int,

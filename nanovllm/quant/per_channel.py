@@ -17,14 +17,6 @@ from nanovllm.quant.quantize import CHANNEL_QMAX, quantize_per_channel
 QDTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 
 
-def why_no_fp8(device: torch.device) -> str | None:
-    """None where quantization='fp8' can run on this device, else why not."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        return f"quantization='fp8' needs FP8 tensor cores (compute capability 8.9+, Ada or Hopper); {name} lacks them"
-    return None
-
-
 class PerChannelConfig(QuantizationConfig):
     def __init__(self, name: str, device: torch.device, dtype: torch.dtype, use_kernels: bool):
         self.name, self.qdtype = name, QDTYPES[name]
