@@ -1,8 +1,8 @@
-"""Qwen3-MoE (issue #58, first slice: CPU, plain torch experts) against HF transformers on tiny random configs that
-cover what the real configs use: top-k > 1 with and without renormalisation, an odd expert count, dense layers by
-mlp_only_layers and decoder_sparse_step, q/k norms; checkpoints with a tensor an expert (as HF writes them) and with
-stacked 3-D expert tensors. The sorted-experts path against the per-expert reference; bad checkpoints name the
-tensor."""
+"""Qwen3-MoE and Qwen2-MoE against HF transformers on tiny random configs that cover what the real configs use: top-k
+> 1 with and without renormalisation, an odd expert count, dense layers by mlp_only_layers and decoder_sparse_step,
+q/k norms; checkpoints with a tensor an expert (as HF writes them) and with stacked 3-D expert tensors. The
+sorted-experts path against the per-expert reference; on the GPU the fused kernels in CUDA graphs; bad checkpoints
+name the tensor."""
 import shutil
 
 import pytest
@@ -232,3 +232,22 @@ def test_qwen2_moe_with_its_shared_expert_matches_hf(tmp_path, tiny_model_dir):
         assert out.token_ids == tokens
         for entry, ref, token in zip(out.logprobs, step_logprobs, tokens):
             assert abs(entry[token].logprob - ref[token].item()) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fused_experts_in_cuda_graphs_match_hf(tmp_path, tiny_model_dir, name):
+    """fp32 on the GPU: the fused MoE kernels, decode steps replayed from CUDA graphs, HF's greedy tokens."""
+    path = write_hf_moe(tmp_path, tiny_model_dir("tiny-qwen3"), **CONFIGS[name])
+    hf = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8,
+              kv_cache_memory_bytes=16 << 20)
+    runner = llm.llm_engine.model_runner
+    assert runner.graphs is not None and runner.plan.fast_kernels
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 37, 80)]
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 16)[0]
+    assert runner.graphs.replays > 0

@@ -1,10 +1,12 @@
 """Mixture-of-experts MLP: each token runs through its top-k experts (SiLU-gated MLPs) and sums their outputs
-weighted by the router. Here the plain torch path: the token-expert pairs sorted by expert, then one gate_up and one
-down matmul for each expert's contiguous rows (the layout a fused kernel groups in one launch). It reads the routed
-experts' row counts on the host, so steps with it run eagerly (no CUDA graph)."""
+weighted by the router. On the GPU the fused Triton kernels (kernels/fused_moe.py: one grouped launch a projection,
+CUDA graphs capture it); here the plain torch path beside them: the token-expert pairs sorted by expert, then one
+gate_up and one down matmul for each expert's contiguous rows (it reads the row counts on the host)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanovllm.layers.custom_op import CustomOp
 
 
 def route_top_k(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,18 +49,25 @@ def moe_per_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     return out
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(CustomOp):
     """num_experts SiLU-gated MLPs of hidden_size -> intermediate_size -> hidden_size, their weights stacked; each
-    token runs top_k of them."""
+    token runs the top_k that its router logits pick (renormalized to sum to one where the model says so)."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.renormalize = top_k, renormalize
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward_native(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_top_k(router_logits, self.top_k, self.renormalize)
         return moe_sorted(x, self.w13, self.w2, weights, ids)
+
+    def forward_triton(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        from nanovllm.kernels.fused_moe import fused_moe, route
+
+        weights, ids = route(router_logits, self.top_k, self.renormalize)
+        return fused_moe(x, self.w13, self.w2, weights, ids)
 
     def load_expert(self, name: str, tensor: torch.Tensor, expert: int | None):
         """One checkpoint tensor: an expert's gate_proj / up_proj / down_proj ([I, H] / [I, H] / [H, I]), or every

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from nanovllm.distributed.parallel_state import tp_size
-from nanovllm.layers.fused_moe import FusedMoE, route_top_k
+from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.models.llama import LlamaMLP
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
@@ -25,18 +25,16 @@ class Qwen3MoeSparseBlock(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.moe_intermediate_size)
+                                config.moe_intermediate_size, config.norm_topk_prob)
         shared = getattr(config, "shared_expert_intermediate_size", 0)
         self.shared_expert = LlamaMLP(config, intermediate_size=shared) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
         self.loaded: set[tuple[int | None, str]] = set()  # (expert or None for all, projection) of the checkpoint
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_top_k(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, weights, ids)
+        out = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
             out += self.shared_expert_gate(x).sigmoid() * self.shared_expert(x)
         return out
@@ -55,7 +53,6 @@ class Qwen3MoeSparseBlock(nn.Module):
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     special_params = (".experts.",)
-    supports_cuda_graphs = False  # the torch experts read their row counts on the host (layers/fused_moe.py)
 
     def __init__(self, config, quant_config=None):
         if quant_config is not None:
