@@ -60,6 +60,8 @@ def assert_no_leaks(llm):
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert not llm.llm_engine.scheduler.has_unfinished()
     assert llm.llm_engine._in_flight is None
+    if bm.state_slots is not None:
+        assert bm.state_slots.num_free == bm.state_slots.num_slots, "state slots leaked"
     host_pool = llm.llm_engine.scheduler.host_pool
     if host_pool is not None:
         assert host_pool.num_free_blocks == host_pool.pool.shape[2], "host KV blocks leaked"

@@ -1,9 +1,10 @@
-"""Every admitted sequence finishes, or the engine says why it cannot. The scheduler under random load: random
-prompt lengths, max_tokens and n, shared prefixes, aborts mid-run, on KV caches from a few device blocks up, with a
-host pool (swap or recompute) and without, async scheduling on and off. Every request that is not aborted finishes
-with the greedy fp32 tokens of an engine with ample memory, no block of either tier leaks, and the steps stay within
-a bound (a spin would exceed it). Where no step can make progress, a NoProgressError names the waiting sequences and
-what to change, and keeps the outputs finished before it."""
+"""Every admitted sequence finishes, or the engine says why it cannot. The scheduler under random load: random prompt
+lengths, max_tokens and n, shared prefixes, aborts mid-run, on KV caches from a few device blocks up, with a host pool
+(swap or recompute) and without, async scheduling on and off; and a hybrid model whose linear-attention layers keep a
+state slot a running sequence. Every request that is not aborted finishes with the greedy fp32 tokens of an engine
+with ample memory, no block of either tier leaks, and the steps stay within a bound (a spin would exceed it). Where no
+step can make progress, a NoProgressError names the waiting sequences and what to change, and keeps the outputs
+finished before it."""
 import random
 
 import pytest
@@ -67,9 +68,12 @@ def run_case(llm: LLM, requests, rng: random.Random, abort_chance: float):
     return [(request, finished[rid]) for rid, request in zip(ids, requests) if rid in finished], steps
 
 
-@pytest.mark.parametrize("settings", ENGINES, ids=lambda s: f"blocks{s[0]}-pool{s[1]}-{s[2]}-async{s[3]}")
-def test_random_load_finishes_with_the_tokens_of_ample_memory(tiny_model_dir, settings):
-    model = tiny_model_dir("tiny-llama")
+@pytest.mark.parametrize("shape,settings", [("tiny-llama", s) for s in ENGINES] + [
+    ("tiny-qwen3-next", (12, None, None, True, True, 8, 64)),  # linear attention: state slots, recompute only
+    ("tiny-qwen3-next", (20, None, None, False, True, 3, 24)),
+], ids=lambda s: s if isinstance(s, str) else f"blocks{s[0]}-pool{s[1]}-{s[2]}-async{s[3]}")
+def test_random_load_finishes_with_the_tokens_of_ample_memory(tiny_model_dir, shape, settings):
+    model = tiny_model_dir(shape)
     rng = random.Random(repr(settings))
     documents = [[rng.randrange(1, VOCAB) for _ in range(MAX_MODEL_LEN)] for _ in range(3)]
     cases = [random_case(rng, documents) for _ in range(CASES_PER_ENGINE)]

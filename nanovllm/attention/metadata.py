@@ -26,6 +26,7 @@ class AttentionMetadata:
     prefill_tiles: torch.Tensor | None = None  # [2, n] int32 (kernels.attention_inputs.prefill_tiles), steps with prefills
     scratch: dict = field(default_factory=dict)  # a backend's per-step values, computed at the first layer
     offloaded: list[list[int]] | None = None  # per sequence, the host pool blocks of its leading KV (None: none)
+    state_slots: list[int] | None = None  # per sequence, its linear-attention state slot (None: no such layers)
 
     @property
     def num_seqs(self) -> int:

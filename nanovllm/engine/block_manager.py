@@ -6,6 +6,7 @@ import xxhash
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.kvcache.host_pool import HostKVPool
+from nanovllm.kvcache.state_slots import StateSlots
 
 
 class Block:
@@ -49,8 +50,11 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 host_pool: HostKVPool | None = None):
+                 host_pool: HostKVPool | None = None, state_slots: StateSlots | None = None):
+        """state_slots: the linear-attention layers' slots (kvcache/state_slots.py), taken with a sequence's first
+        blocks and given back with its last."""
         self.host_pool = host_pool
+        self.state_slots = state_slots
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -118,6 +122,8 @@ class BlockManager:
         if held:
             self.host_pool.load_prefix(held, new_blocks[:len(held)])
         seq.block_table += new_blocks
+        if self.state_slots is not None:
+            self.state_slots.take(seq)
         self.num_cache_hit_blocks += hit.num_blocks
         self.num_host_hit_blocks += len(hit.host_hashes)
         return True
@@ -229,6 +235,8 @@ class BlockManager:
     def free(self, seq: Sequence):
         """Drop seq's references; its tail blocks become the first to be evicted. Its pool blocks that hold full,
         computed blocks stay in the pool's prefix cache, where a later prompt with that prefix finds them."""
+        if self.state_slots is not None:
+            self.state_slots.release(seq)
         offloaded = len(seq.host_blocks)
         if offloaded:
             kept = min(offloaded, seq.num_computed_tokens // self.block_size) if self.enable_prefix_caching else 0

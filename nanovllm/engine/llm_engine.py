@@ -10,7 +10,9 @@ from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import NoProgressError, Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.kvcache.state_slots import StateSlots
 from nanovllm.layers.logprobs import TokenLogprobs
+from nanovllm.logger import log_once
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.weights.model_files import load_tokenizer
@@ -54,8 +56,13 @@ class LLMEngine:
             raise
         if self.workers is not None:
             self.workers.follow(self.model_runner)
-        self.block_manager = BlockManager(self.model_runner.plan.kv.num_gpu_blocks, config.block_size,
-                                          config.enable_prefix_caching, self.model_runner.host_pool)
+        kv = self.model_runner.plan.kv
+        if config.enable_prefix_caching and kv.prefix_caching_off:
+            log_once(f"prefix caching is off: {kv.prefix_caching_off}")
+        self.block_manager = BlockManager(kv.num_gpu_blocks, config.block_size,
+                                          config.enable_prefix_caching and not kv.prefix_caching_off,
+                                          self.model_runner.host_pool,
+                                          StateSlots(kv.num_state_slots) if kv.num_state_slots else None)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.model_runner.layer_major is not None, self.model_runner.preemption)
         self.requests: dict[str, Request] = {}

@@ -94,7 +94,8 @@ class ModelRunner:
             num_blocks = int(all_reduce(torch.tensor([num_blocks], device=self.device), "min").item())
         num_host = kv_cache.num_host_blocks(cfg.kv_offloading_size, spec)
         kv_cache.check_capacity(num_blocks, num_host, cfg.block_size, mc.max_model_len)
-        return kv_cache.KVCacheLayout(num_blocks, num_host, cfg.block_size, spec.block_bytes)
+        return kv_cache.KVCacheLayout(num_blocks, num_host, cfg.block_size, spec.block_bytes,
+                                      cfg.max_num_seqs if spec.states else 0, spec.slot_bytes)
 
     @torch.inference_mode()
     def _warm_up_sampling(self):

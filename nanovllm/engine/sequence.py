@@ -33,6 +33,7 @@ class Sequence:
         self.num_scheduled_tokens = 0  # new tokens in the current step
         self.swapped_blocks: list[int] | None = None  # host pool blocks holding its KV while preempted by swap
         self.host_blocks: list[int] = []  # host pool blocks of its leading KV blocks, offloaded (block_table: -1)
+        self.state_slot: int | None = None  # linear-attention layers: its state's slot while it runs
         self.output_logprobs: list[dict[int, Logprob]] = []
         self.prompt_logprobs: list[dict[int, Logprob] | None] = []
         self.cumulative_logprob = 0.0

@@ -24,13 +24,25 @@ class KVCacheLayout:
     num_host_blocks: int  # 0: no host pool
     block_size: int
     block_bytes: int  # one block across every layer
+    num_state_slots: int = 0  # linear-attention layers: a state slot a running sequence (0: no such layers)
+    slot_bytes: int = 0  # one slot across every such layer
+
+    @property
+    def prefix_caching_off(self) -> str | None:
+        """Why the prefix cache cannot serve this model (None: it can)."""
+        if self.num_state_slots:
+            return ("linear-attention layers keep one state a sequence, not one a block (a snapshot at each block "
+                    f"boundary would take {self.slot_bytes / self.block_bytes:.0f} blocks' worth of memory)")
+        return None
 
     def describe(self, device: torch.device, max_model_len: int) -> str:
         tokens = self.num_gpu_blocks * self.block_size
         host = f"; {self.num_host_blocks} in host memory" if self.num_host_blocks else ""
+        states = (f"; {self.num_state_slots} state slots of {self.slot_bytes / (1 << 20):.2f} MiB"
+                  if self.num_state_slots else "")
         return (f"{self.num_gpu_blocks} blocks of {self.block_size} tokens "
-                f"({self.num_gpu_blocks * self.block_bytes / (1 << 30):.2f} GiB on {device}){host}; maximum concurrency "
-                f"for {max_model_len:,} tokens a sequence: {tokens / max_model_len:.2f}x")
+                f"({self.num_gpu_blocks * self.block_bytes / (1 << 30):.2f} GiB on {device}){host}{states}; maximum "
+                f"concurrency for {max_model_len:,} tokens a sequence: {tokens / max_model_len:.2f}x")
 
 
 def num_host_blocks(kv_offloading_size: float | None, spec: KVCacheSpec) -> int:

@@ -27,7 +27,7 @@ class Qwen3MoeSparseBlock(nn.Module):
         super().__init__()
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.moe_intermediate_size, config.norm_topk_prob)
+                                config.moe_intermediate_size, getattr(config, "norm_topk_prob", True))  # Qwen3.5: always
         shared = getattr(config, "shared_expert_intermediate_size", 0)
         self.shared_expert = LlamaMLP(config, intermediate_size=shared) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
@@ -64,7 +64,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         super().__init__(config, quant_config)
 
     def make_mlp(self, config, layer_index: int, quant_config) -> nn.Module | None:
-        sparse = layer_index not in (getattr(config, "mlp_only_layers", None) or []) and config.num_experts > 0 \
+        sparse = layer_index not in (getattr(config, "mlp_only_layers", None) or []) \
+            and getattr(config, "num_experts", 0) > 0 \
             and (layer_index + 1) % getattr(config, "decoder_sparse_step", 1) == 0
         return Qwen3MoeSparseBlock(config) if sparse else None
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from nanovllm.logger import log_once
-from nanovllm.models.registry import GGUF_ARCHITECTURES
+from nanovllm.models.registry import GGUF_ARCHITECTURES, GGUF_NOT_YET
 from nanovllm.quant import gguf_formats
 from nanovllm.quant.gguf_weight import GGUFWeight
 
@@ -63,8 +63,9 @@ def gguf_hf_config(path: str):
     reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; "
-                         f"supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
+        hf = f"; its HF safetensors checkpoint ({GGUF_NOT_YET[arch]}) runs" if arch in GGUF_NOT_YET else ""
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}{hf}; "
+                         f"GGUF architectures supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
     hf_arch = GGUF_ARCHITECTURES[arch]
     cls = getattr(transformers, hf_arch.replace("ForCausalLM", "Config"))
     key = lambda name, default=None: _field(reader, f"{arch}.{name}", default)  # noqa: E731

@@ -11,7 +11,7 @@ import torch
 
 from nanovllm.cache_dir import cache_dir
 from nanovllm.logger import log_once
-from nanovllm.models.registry import resolve_architecture
+from nanovllm.models.registry import resolve_architecture, text_config
 from nanovllm.weights.gguf_loader import gguf_hf_config, iterate_gguf
 from nanovllm.weights.safetensors_loader import iterate_safetensors, safetensors_files
 
@@ -54,6 +54,7 @@ def load_model_config(model: str, load_format: str = "auto"):
             hf_config = AutoConfig.from_pretrained(model)
         except (ValueError, OSError, json.JSONDecodeError, KeyError) as e:
             raise ValueError(f"cannot read {Path(model) / 'config.json'}: {e}") from e
+    hf_config = text_config(hf_config)
     resolve_architecture(hf_config)
     return hf_config, fmt
 

@@ -9,9 +9,12 @@ import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import save_file
+
+from nanovllm.models.qwen3_next import layer_types
 
 _BASE = dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 SHAPES = {
@@ -32,6 +35,14 @@ SHAPES = {
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
                           num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                           max_position_embeddings=40960, rope_theta=1000000.0),
+    "qwen3-next-80b-a3b": dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=151936,
+                               hidden_size=2048, intermediate_size=5120, moe_intermediate_size=512,
+                               shared_expert_intermediate_size=512, num_hidden_layers=48, num_attention_heads=16,
+                               num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                               linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                               full_attention_interval=4, num_experts=512, num_experts_per_tok=10, norm_topk_prob=True,
+                               decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=262144,
+                               rope_theta=10000000.0, partial_rotary_factor=0.25, attention_bias=False),
     "tiny-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=True,
@@ -48,6 +59,14 @@ SHAPES = {
                            num_key_value_heads=2, head_dim=16, num_experts=5, num_experts_per_tok=2, norm_topk_prob=True,
                            decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=1024,
                            rope_theta=10000.0),
+    "tiny-qwen3-next": dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=512,
+                            hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                            linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                            full_attention_interval=2, num_experts=5, num_experts_per_tok=2, norm_topk_prob=True,
+                            decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=1024,
+                            rope_theta=10000.0, partial_rotary_factor=0.25, attention_bias=False),
     "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=32, max_position_embeddings=1024, rope_theta=10000.0),
@@ -55,7 +74,7 @@ SHAPES = {
 
 
 def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape of every weight of a Llama / Qwen2 / Qwen3 / Qwen3-MoE config (a dict)."""
+    """HF name -> shape of every weight of a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen3-Next config (a dict)."""
     h, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
@@ -63,16 +82,29 @@ def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (c["vocab_size"], h)
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if c["model_type"] == "qwen3_next" and layer_types(SimpleNamespace(**c))[i] == "linear_attention":
+            shapes.update(_gated_deltanet_shapes(c, p + "linear_attn."))
+            shapes.update(_mlp_shapes(c, i, p))
+            continue
+        gated = 2 if c["model_type"] == "qwen3_next" else 1  # q_proj gives each head's query and output gate
+        shapes.update({p + "self_attn.q_proj.weight": (gated * q, h), p + "self_attn.k_proj.weight": (kv, h),
                        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
         shapes.update(_mlp_shapes(c, i, p))
         if c["model_type"] == "qwen2":
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
-        if c["model_type"] in ("qwen3", "qwen3_moe"):
+        if c["model_type"] in ("qwen3", "qwen3_moe", "qwen3_next"):
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
     return shapes
+
+
+def _gated_deltanet_shapes(c: dict, p: str) -> dict[str, tuple[int, ...]]:
+    h, hk, hv = c["hidden_size"], c["linear_num_key_heads"], c["linear_num_value_heads"]
+    key, value = hk * c["linear_key_head_dim"], hv * c["linear_value_head_dim"]
+    return {p + "in_proj_qkvz.weight": (2 * key + 2 * value, h), p + "in_proj_ba.weight": (2 * hv, h),
+            p + "conv1d.weight": (2 * key + value, 1, c["linear_conv_kernel_dim"]), p + "dt_bias": (hv,),
+            p + "A_log": (hv,), p + "norm.weight": (c["linear_value_head_dim"],), p + "out_proj.weight": (h, value)}
 
 
 def _mlp_shapes(c: dict, i: int, p: str) -> dict[str, tuple[int, ...]]:
@@ -85,16 +117,26 @@ def _mlp_shapes(c: dict, i: int, p: str) -> dict[str, tuple[int, ...]]:
         return {p + "mlp.gate_proj.weight": (ff, h), p + "mlp.up_proj.weight": (ff, h), p + "mlp.down_proj.weight": (h, ff)}
     ff = c["moe_intermediate_size"]
     shapes = {p + "mlp.gate.weight": (c["num_experts"], h)}
+    if shared := c.get("shared_expert_intermediate_size"):
+        shapes.update({p + "mlp.shared_expert.gate_proj.weight": (shared, h), p + "mlp.shared_expert.up_proj.weight":
+                       (shared, h), p + "mlp.shared_expert.down_proj.weight": (h, shared),
+                       p + "mlp.shared_expert_gate.weight": (1, h)})
     for e in range(c["num_experts"]):
         shapes.update({f"{p}mlp.experts.{e}.gate_proj.weight": (ff, h), f"{p}mlp.experts.{e}.up_proj.weight": (ff, h),
                        f"{p}mlp.experts.{e}.down_proj.weight": (h, ff)})
     return shapes
 
 
-def _random(name: str, shape, generator, device) -> torch.Tensor:
-    """Scaled so activations and logits stay O(1): greedy choices are then far from ties."""
+def _random(name: str, shape, generator, device, zero_centered_norms: bool = False) -> torch.Tensor:
+    """Scaled so activations and logits stay O(1): greedy choices are then far from ties. zero_centered_norms:
+    RMSNorms that scale by 1 + weight (Qwen3-Next's, but for the gated one inside its linear attention)."""
     if name.endswith("norm.weight"):
-        return 1 + 0.1 * torch.randn(shape, generator=generator, device=device)
+        centre = 0 if zero_centered_norms and ".linear_attn." not in name else 1
+        return centre + 0.1 * torch.randn(shape, generator=generator, device=device)
+    if name.endswith("A_log"):  # the decay rates' logs, as HF draws them
+        return torch.empty(shape, device=device).uniform_(1, 16, generator=generator).log()
+    if name.endswith("dt_bias"):
+        return torch.ones(shape, device=device)
     std = 0.02 if name.endswith("bias") else (2 if "embed_tokens" in name else 1) / math.sqrt(shape[-1])
     return std * torch.randn(shape, generator=generator, device=device)
 
@@ -121,7 +163,7 @@ def random_weights(config: dict, dtype: torch.dtype, device: str | torch.device,
     same seed and device give the same values (load_format="dummy" draws what write_model writes)."""
     generator = torch.Generator(device).manual_seed(seed)
     for name, shape in weight_shapes(config).items():
-        yield name, _random(name, shape, generator, device).to(dtype)
+        yield name, _random(name, shape, generator, device, config["model_type"] == "qwen3_next").to(dtype)
 
 
 def write_config(shape: str | dict, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> tuple[Path, dict]:

@@ -1,0 +1,247 @@
+"""Qwen3-Next and Qwen3.5 (text): hybrids of linear and full attention. Each layer's token mixer is either a Gated
+DeltaNet (config layer_types "linear_attention": a causal conv1d over the projected q, k, v, then the gated delta
+rule, its output normed and gated by z) or full attention with an output gate (q_proj gives each head's query and
+gate; q/k norms; rotary on the first partial_rotary_factor of each head). Their MLPs are mixtures of experts with a
+shared expert, as Qwen2-MoE's (dense in Qwen3.5's dense models). Their RMSNorms scale by 1 + weight (stored
+zero-centered): they load as our RMSNorm with weight + 1. Qwen3.5 projects q, k, v, z, b and a separately where
+Qwen3-Next interleaves them by key head; its multimodal rotary (mrope) is plain rotary for text, whose three
+position ids are equal.
+
+A linear-attention layer keeps a fixed-size state a sequence (a StateSpec): its conv state and its state matrix, in
+the sequence's slot. Here the plain torch path: each sequence's tokens in turn, the chunked form for prompts and the
+recurrent form for decode (layers/linear_attention.py)."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.attention import AttentionMetadata
+from nanovllm.distributed.parallel_state import tp_size
+from nanovllm.kvcache.spec import StateSpec
+from nanovllm.layers.attention import Attention
+from nanovllm.layers.embed_head import LMHead, VocabEmbedding
+from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import MergedColumnLinear, ReplicatedLinear, RowParallelLinear
+from nanovllm.layers.linear_attention import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_recurrent
+from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.models.llama import LlamaMLP
+from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from nanovllm.rope_scaling import rope_parameters
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_width = config.linear_conv_kernel_dim
+        hidden = config.hidden_size
+        self.in_proj_qkvz = ReplicatedLinear(hidden, 2 * self.key_dim + 2 * self.value_dim)
+        self.in_proj_ba = ReplicatedLinear(hidden, 2 * self.num_v_heads)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.head_v_dim), requires_grad=False)
+        self.eps = config.rms_norm_eps
+        self.out_proj = RowParallelLinear(self.value_dim, hidden)
+        self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, width - 1], fp32
+        self.ssm_state: torch.Tensor | None = None  # [slots, value heads, head_k_dim, head_v_dim], fp32
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> StateSpec:
+        return StateSpec(((self.conv_dim, self.conv_width - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)),
+                         torch.float32)
+
+    def bind_kv_cache(self, conv_state: torch.Tensor, ssm_state: torch.Tensor):
+        self.conv_state, self.ssm_state = conv_state, ssm_state
+
+    def project(self, x: torch.Tensor):
+        """(q k v side by side [T, conv_dim], z [T, Hv, dv], b [T, Hv], a [T, Hv]) from Qwen3-Next's projections: per
+        key head, its q, k, then its group of value heads' v and z; per key head, its group's b, then a."""
+        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        tokens, group = qkvz.shape[0], self.num_v_heads // self.num_k_heads
+        dk, dv = self.head_k_dim, self.head_v_dim
+        q, k, v, z = qkvz.view(tokens, self.num_k_heads, -1).split([dk, dk, group * dv, group * dv], -1)
+        b, a = ba.view(tokens, self.num_k_heads, -1).split([group, group], -1)
+        mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], -1)
+        return mixed, z.reshape(tokens, self.num_v_heads, dv), b.reshape(tokens, -1), a.reshape(tokens, -1)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        mixed, z, b, a = self.project(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+        starts = meta.query_start_loc_cpu
+        for i in range(len(starts) - 1):
+            rows = slice(starts[i], starts[i + 1])
+            out[rows] = self._sequence(mixed[rows], g[rows], beta[rows], meta.seq_lens_cpu[i],
+                                       meta.state_slots[i] if meta.state_slots is not None else None)
+        return self.out_proj(self._gated_norm(out, z).flatten(1))
+
+    def _sequence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seq_len: int,
+                  slot: int | None) -> torch.Tensor:
+        """One sequence's new tokens (its context seq_len after them), from and into its state slot (None: a
+        profiling step, from zeros, kept nowhere)."""
+        fresh = seq_len == mixed.shape[0]
+        conv_state = None if fresh or slot is None else self.conv_state[slot]
+        ssm_state = None if fresh or slot is None else self.ssm_state[slot]
+        mixed, conv_after = causal_conv1d(mixed, self.conv1d.weight[:, 0], None, conv_state)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], -1)
+        tokens = mixed.shape[0]
+        q, k = (_l2norm(t.reshape(tokens, self.num_k_heads, self.head_k_dim)) for t in (q, k))
+        v = v.reshape(tokens, self.num_v_heads, self.head_v_dim)
+        rule = gated_delta_rule_recurrent if tokens == 1 else gated_delta_rule_chunked
+        out, ssm_after = rule(q, k, v, g, beta, ssm_state)
+        if slot is not None:
+            self.conv_state[slot] = conv_after
+            self.ssm_state[slot] = ssm_after
+        return out
+
+    def _gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """HF's RMSNormGated: each head's output normed, scaled, times silu(z)."""
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.norm.weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+class Qwen35GatedDeltaNet(GatedDeltaNet):
+    """Qwen3.5's: q, k, v in one projection, z, b and a each in their own."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        del self.in_proj_qkvz, self.in_proj_ba
+        hidden = config.hidden_size
+        self.in_proj_qkv = ReplicatedLinear(hidden, self.conv_dim)
+        self.in_proj_z = ReplicatedLinear(hidden, self.value_dim)
+        self.in_proj_b = ReplicatedLinear(hidden, self.num_v_heads)
+        self.in_proj_a = ReplicatedLinear(hidden, self.num_v_heads)
+
+    def project(self, x: torch.Tensor):
+        z = self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.head_v_dim)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+
+
+class Qwen3NextAttention(nn.Module):
+    """Full attention whose output each head gates with sigmoid(gate), the gate coming from q_proj beside the query."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        q, kv, bias = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, config.attention_bias
+        self.qkv_proj = MergedColumnLinear(config.hidden_size, [2 * q, kv, kv], bias)
+        self.o_proj = RowParallelLinear(q, config.hidden_size, bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        params = rope_parameters(config)
+        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))  # transformers 5, 4
+        self.rotary_dim = int(self.head_dim * partial)
+        self.rotary = RotaryEmbedding(self.rotary_dim, config.max_position_embeddings, params)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q_gate, k, v = self.qkv_proj(x).split([2 * self.num_heads * self.head_dim,
+                                               self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], -1)
+        q, gate = q_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, -1)
+        q = self.q_norm(q.contiguous())
+        k = self.k_norm(k.reshape(tokens, self.num_kv_heads, self.head_dim))
+        rd = self.rotary_dim
+        q_rot, k_rot = self.rotary.forward_native(positions, q[..., :rd], k[..., :rd])
+        q, k = torch.cat([q_rot, q[..., rd:]], -1), torch.cat([k_rot, k[..., rd:]], -1)
+        out = self.attn(q, k, v.reshape(tokens, self.num_kv_heads, self.head_dim).contiguous(), meta)
+        return self.o_proj(out.flatten(1) * gate.reshape(tokens, -1).sigmoid())
+
+
+class Qwen3NextDecoderLayer(nn.Module):
+    def __init__(self, config, layer_type: str, mlp: nn.Module, linear_attention=GatedDeltaNet):
+        super().__init__()
+        if layer_type == "linear_attention":
+            self.linear_attn = linear_attention(config)
+        elif layer_type == "full_attention":
+            self.self_attn = Qwen3NextAttention(config)
+        else:
+            raise ValueError(f"unsupported layer type {layer_type!r}: linear_attention or full_attention")
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, meta):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        if hasattr(self, "linear_attn"):
+            hidden = self.linear_attn(hidden, meta)
+        else:
+            hidden = self.self_attn(positions, hidden, meta)
+        return self.mlp.after_norm(self.post_attention_layernorm, hidden, residual)
+
+
+class Qwen3NextModel(nn.Module):
+    def __init__(self, config, make_mlp, linear_attention):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, kind, make_mlp(i), linear_attention)
+                                    for i, kind in enumerate(layer_types(config)))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta, inputs_embeds=None):
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+def layer_types(config) -> list[str]:
+    """Each layer's token mixer: the config's layer_types, else every full_attention_interval-th layer full."""
+    kinds = getattr(config, "layer_types", None)
+    if not kinds:
+        interval = config.full_attention_interval
+        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(config.num_hidden_layers)]
+    return list(kinds)
+
+
+class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
+    supports_cuda_graphs = False  # the linear-attention layers loop over the step's sequences on the host
+    linear_attention = GatedDeltaNet
+    stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config, quant_config=None):
+        nn.Module.__init__(self)
+        name = config.architectures[0]
+        if quant_config is not None:
+            raise NotImplementedError(f"quantized weights are not supported yet for {name}: pass quantization='none'")
+        if tp_size() > 1:
+            raise NotImplementedError(f"tensor_parallel_size > 1 is not supported yet for {name}")
+        self.model = Qwen3NextModel(config, lambda i: self.make_mlp(config, i, None) or LlamaMLP(config),
+                                    self.linear_attention)
+        self.tied = getattr(config, "tie_word_embeddings", False)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, self.model.embed_tokens if self.tied else None)
+
+    def load_weights(self, weights):
+        """The zero-centered RMSNorms (not the gated one inside the linear attention) load as 1 + weight."""
+        super().load_weights((name, tensor + 1 if name.endswith("norm.weight") and ".linear_attn." not in name
+                              else tensor) for name, tensor in weights)
+
+
+class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5, dense (Qwen3_5ForCausalLM: every MLP a Llama MLP) or with experts (Qwen3_5MoeForCausalLM); from a
+    vision-language checkpoint, its language model (model.language_model.*; the vision tower and the multi-token
+    prediction head are not loaded)."""
+
+    linear_attention = Qwen35GatedDeltaNet
+
+    def load_weights(self, weights):
+        super().load_weights((name.replace("model.language_model.", "model.", 1), tensor) for name, tensor in weights
+                             if not name.startswith(("model.visual.", "mtp.")))

@@ -1,0 +1,199 @@
+"""Qwen3-Next (hybrid: Gated DeltaNet and gated full attention, experts with a shared expert) against HF transformers
+in fp32 on CPU, on tiny random configs that cover what the real config uses: layer_types alternation, grouped value
+heads, partial rotary, q/k norms, top-k experts with and without renormalisation, a dense layer. Then the state
+slots under the engine's bookkeeping: chunked prefill, preemption (recompute), n > 1, aborts, async scheduling."""
+import shutil
+
+import pytest
+import torch
+from helpers import hf_greedy, hf_prompt_logprobs
+from transformers import Qwen3NextConfig
+from transformers import Qwen3NextForCausalLM as HFQwen3Next
+
+from nanovllm import LLM, SamplingParams
+
+CONFIGS = {
+    "top2-renormalized-dense-layer": dict(num_experts=5, num_experts_per_tok=2, norm_topk_prob=True,
+                                          mlp_only_layers=[1], layer_types=["linear_attention", "linear_attention",
+                                                                            "full_attention", "linear_attention"]),
+    "top3-raw": dict(num_experts=7, num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[],
+                     layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"]),
+}
+
+
+def write_hf_next(tmp_path, tokenizer_dir, **overrides) -> str:
+    config = Qwen3NextConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, decoder_sparse_step=1, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **overrides)
+    torch.manual_seed(0)
+    model = HFQwen3Next(config).eval()
+    with torch.no_grad():  # HF's init leaves routers and norms at zero / one: spread them, so each one matters
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0, 0.5)
+            elif name.endswith("norm.weight") or name.endswith(("dt_bias", "A_log")):
+                param.normal_(0, 0.2)
+    path = tmp_path / "next"
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tokenizer_dir}/{name}", path / name)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def next_model(tmp_path_factory, tiny_model_dir):
+    return write_hf_next(tmp_path_factory.mktemp("next"), tiny_model_dir("tiny-qwen3"),
+                         **CONFIGS["top2-renormalized-dense-layer"])
+
+
+def _prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_greedy_and_logprobs_match_hf(tmp_path, tiny_model_dir, name):
+    path = write_hf_next(tmp_path, tiny_model_dir("tiny-qwen3"), **CONFIGS[name])
+    hf = HFQwen3Next.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    prompts = _prompts((5, 37, 80))
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=1, prompt_logprobs=1)
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        tokens, step_logprobs = hf_greedy(hf, prompt, 12)
+        assert out.outputs[0].token_ids == tokens
+        for entry, ref, token in zip(out.outputs[0].logprobs, step_logprobs, tokens):
+            assert abs(entry[token].logprob - ref[token].item()) < 1e-4
+        ref_prompt = hf_prompt_logprobs(hf, prompt)
+        for i, entry in enumerate(out.prompt_logprobs[1:]):
+            assert abs(entry[prompt[i + 1]].logprob - ref_prompt[i, prompt[i + 1]].item()) < 1e-4
+    assert llm.llm_engine.block_manager.state_slots.num_free == llm.llm_engine.config.max_num_seqs
+
+
+def test_state_slots_under_chunked_prefill_preemption_and_aborts(next_model):
+    """Prompts split over steps, a KV cache too small for every sequence at once (preemption recomputes, state and
+    all), n = 2, async scheduling on and off: the tokens of an engine with room to spare; no slot leaks."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts((70, 23, 51, 9, 64), seed=2)]
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24, n=2)
+    roomy = LLM(next_model, device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    want = [[c.token_ids for c in o.outputs] for o in roomy.generate(prompts, params, use_tqdm=False)]
+    for async_scheduling in (True, False):
+        tight = LLM(next_model, device="cpu", max_model_len=128, num_gpu_blocks_override=12, block_size=16,
+                    max_num_batched_tokens=32, max_num_seqs=4, async_scheduling=async_scheduling)
+        engine = tight.llm_engine
+        got = [[c.token_ids for c in o.outputs] for o in tight.generate(prompts, params, use_tqdm=False)]
+        assert got == want
+        assert engine.scheduler.num_preemptions > 0
+        assert not engine.block_manager.enable_prefix_caching
+        assert engine.block_manager.state_slots.num_free == 4
+    engine.add_request("aborted", prompts[0]["prompt_token_ids"], SamplingParams(max_tokens=50))
+    for _ in range(4):  # its prompt, then decode steps
+        engine.step()
+    engine.abort_request("aborted")
+    assert engine.block_manager.state_slots.num_free == 4
+
+
+def test_the_synthetic_shape_and_dummy_weights_load(tiny_model_dir):
+    """tiny-qwen3-next as the synthetic writer draws it (full_attention_interval, no layer_types; zero-centered
+    norms): HF's greedy tokens; load_format="dummy" draws the same weights."""
+    path = tiny_model_dir("tiny-qwen3-next")
+    hf = HFQwen3Next.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = _prompts((29,), seed=3)[0]
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
+    for load_format in ("auto", "dummy"):
+        llm = LLM(path, device="cpu", max_model_len=128, kv_cache_memory_bytes=16 << 20, load_format=load_format)
+        out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 10)[0]
+
+
+def test_kv_offloading_is_refused_for_linear_attention(next_model):
+    with pytest.raises(ValueError, match="linear-attention layers"):
+        LLM(next_model, device="cpu", max_model_len=256, kv_offloading_size=0.01)
+
+
+def _write_hf_qwen3_5(tmp_path, tokenizer_dir, moe: bool) -> str:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
+
+    common = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                  linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=1024,
+                  layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                   "mrope_section": [1, 1, 0], "mrope_interleaved": True},
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    if moe:
+        config = Qwen3_5MoeTextConfig(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=6,
+                                      num_experts_per_tok=2, **common)
+        model_class = Qwen3_5MoeForCausalLM
+    else:
+        config, model_class = Qwen3_5TextConfig(intermediate_size=96, **common), Qwen3_5ForCausalLM
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0, 0.5)
+            elif name.endswith("norm.weight") or name.endswith(("dt_bias", "A_log")):
+                param.normal_(0, 0.2)
+    path = tmp_path / "qwen3_5"
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tokenizer_dir}/{name}", path / name)
+    return str(path), model_class
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_qwen3_5_matches_hf(tmp_path, tiny_model_dir, moe):
+    """Qwen3.5's separate q/k/v, z, b, a projections; its text rotary (mrope with equal positions) is plain rotary."""
+    path, model_class = _write_hf_qwen3_5(tmp_path, tiny_model_dir("tiny-qwen3"), moe)
+    hf = model_class.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    prompts = _prompts((6, 41), seed=4)
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=1)
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        tokens, step_logprobs = hf_greedy(hf, prompt, 12)
+        assert out.outputs[0].token_ids == tokens
+        for entry, ref, token in zip(out.outputs[0].logprobs, step_logprobs, tokens):
+            assert abs(entry[token].logprob - ref[token].item()) < 1e-4
+
+
+def test_a_vision_language_checkpoint_runs_its_language_model(tmp_path, tiny_model_dir):
+    """Qwen3.5 as released: Qwen3_5MoeForConditionalGeneration, the text config nested, the language model's weights
+    under model.language_model.*, beside a vision tower and a multi-token prediction head that are not loaded."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path, model_class = _write_hf_qwen3_5(tmp_path, tiny_model_dir("tiny-qwen3"), moe=True)
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    prompt = {"prompt_token_ids": _prompts((17,), seed=5)[0]}
+    kw = dict(device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    want = LLM(path, **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    [file] = list((tmp_path / "qwen3_5").glob("*.safetensors"))
+    tensors = {name.replace("model.", "model.language_model.", 1): t for name, t in load_file(file).items()}
+    tensors.update({"model.visual.patch_embed.proj.weight": torch.zeros(4, 3), "mtp.fc.weight": torch.zeros(2, 2)})
+    save_file(tensors, file, metadata={"format": "pt"})
+    config_file = tmp_path / "qwen3_5" / "config.json"
+    text = json.loads(config_file.read_text())
+    json.dump({"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+               "text_config": {**text, "model_type": "qwen3_5_moe_text"}}, open(config_file, "w"))
+    llm = LLM(path, **kw)
+    assert type(llm.llm_engine.model_runner.model).__name__ == "Qwen3_5ForCausalLM"
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+def test_a_gguf_file_of_a_hybrid_names_what_runs_instead(tmp_path):
+    import gguf
+
+    path = tmp_path / "next.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3next")
+    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"'qwen3next'.*HF safetensors checkpoint \(Qwen3NextForCausalLM\) runs"):
+        LLM(str(path), device="cpu")
