@@ -6,7 +6,7 @@ from helpers import kernel_tol
 
 from nanovllm.kernels import fused_moe as kernels
 from nanovllm.kernels.fused_moe import align_pairs, fused_moe, route
-from nanovllm.layers.fused_moe import moe_per_expert, route_top_k
+from nanovllm.layers.fused_moe import moe_per_expert, moe_sorted, route_top_k
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -79,3 +79,17 @@ def test_fused_moe_at_qwen3_30b_a3b_shape(tokens, dtype):
         buffer.copy_(value)
     graph.replay()
     torch.testing.assert_close(out.float(), _reference(x2, w13, w2, weights2, ids2), **kernel_tol(dtype))
+
+
+@pytest.mark.parametrize("one_program", [True, False])
+def test_pairs_left_out_add_nothing(one_program, monkeypatch):
+    """ids of -1 (experts held elsewhere, streaming/expert_offload.py): the fused kernels and the sorted torch path
+    sum only the other pairs."""
+    monkeypatch.setattr(kernels, "ALIGN_IN_ONE_PROGRAM", 4096 if one_program else 0)
+    x, w13, w2, weights, ids = _experts(9, 6, 3, 32, 24, torch.float32, 7)
+    left_out = ids.clone()
+    left_out[ids % 2 == 1] = -1
+    kept_weights = torch.where(left_out < 0, 0, weights)
+    want = _reference(x, w13, w2, kept_weights, ids)
+    torch.testing.assert_close(fused_moe(x, w13, w2, weights, left_out, leaves_out=True), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(moe_sorted(x, w13, w2, weights, left_out), want, atol=1e-5, rtol=1e-5)

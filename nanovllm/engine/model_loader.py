@@ -5,17 +5,19 @@ import torch
 from nanovllm.engine.plan import ExecutionPlan
 from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import LMHead
+from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.linear import CpuPackedLinearMethod, LinearBase, UnquantizedLinearMethod
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.models import get_model_class
 from nanovllm.quant.registry import get_quantization_config
+from nanovllm.streaming.expert_offload import ExpertOffload
 from nanovllm.streaming.layer_streamer import LayerStreamer
 from nanovllm.streaming.placement import weights_do_not_fit
 from nanovllm.weights.model_files import iterate_weights
 
 
-def load_model(config, device: torch.device) -> tuple[torch.nn.Module, LayerStreamer | None]:
-    """The loaded model and its layer streamer (None: nothing streams). With streamed layers the model loads in host
+def load_model(config, device: torch.device) -> tuple[torch.nn.Module, LayerStreamer | ExpertOffload | None]:
+    """The loaded model and its layer or expert streamer (None: nothing streams). With streamed layers the model loads in host
     memory (quantized layers too), so the device need not hold it whole, even once; what stays resident moves to the
     device after."""
     mc = config.model_config
@@ -51,7 +53,13 @@ def _build(mc, device: torch.device, quant_config):
         torch.set_default_dtype(default_dtype)
 
 
-def _stream_layers(model, config, device: torch.device) -> LayerStreamer:
+def _stream_layers(model, config, device: torch.device) -> LayerStreamer | ExpertOffload:
+    """A mixture of experts streams experts, any other model whole decoder layers."""
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if moes:
+        offload = ExpertOffload.for_model(moes, config, device)
+        model.to(device)
+        return offload
     streamer = LayerStreamer.for_layers(list(model.model.layers), device, config.cpu_offload_gb,
                                         config.disk_offload_gb, config.offload_folder)
     model.to(device)

@@ -57,11 +57,7 @@ class ExecutionPlan:
 
 
 def _weights(streamer, device: torch.device) -> str:
-    if streamer is None:
-        return f"every layer on {device}"
-    disk = f", {len(streamer.disk)} of them from disk" if streamer.disk else ""
-    return (f"{len(streamer.streamed)} of {len(streamer.layers)} decoder layers streamed in from host memory{disk}, "
-            f"{streamer.num_slots} slots on {device}")
+    return f"every layer on {device}" if streamer is None else streamer.describe(device)
 
 
 def _graphs_off(config, device: torch.device, model, backend, streamer) -> str | None:

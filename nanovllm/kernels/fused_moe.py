@@ -82,13 +82,15 @@ def _align_kernel(ids_ptr, sorted_ptr, tile_experts_ptr, rows_used_ptr, cursor_p
         pairs = start + tl.arange(0, CHUNK)
         ok = pairs < num_pairs
         ids = tl.load(ids_ptr + pairs, mask=ok, other=0)
+        ok = ok & (ids >= 0)  # -1: a pair left out
         row = tl.atomic_add(cursor_ptr + ids, 1, mask=ok)
         tl.store(sorted_ptr + row, pairs, mask=ok)
 
 
 def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted pair ids padded per expert to block_m rows, padding = num_pairs; each tile's expert; rows used [1]),
-    all on the device. Tiles past the rows used are launched and return at once (a size fixed by the token count)."""
+    all on the device; a pair whose id is -1 is left out. Tiles past the rows used are launched and return at once (a
+    size fixed by the token count)."""
     num_pairs = ids.numel()
     max_rows = max_sorted_rows(num_pairs, num_experts, block_m)
     if num_pairs <= ALIGN_IN_ONE_PROGRAM:
@@ -104,16 +106,21 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 
 def _align_pairs_torch(ids: torch.Tensor, num_experts: int, block_m: int, max_rows: int):
     """align_pairs for many pairs (prefill), in torch ops that keep everything on the device."""
-    flat = ids.flatten()
-    num_pairs = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    num_pairs = ids.numel()
+    flat = torch.where(ids.flatten() < 0, num_experts, ids.flatten())  # a pair left out: the bucket past the last
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, flat,
+                                                                                           torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
+    padded[-1] = 0
     ends = padded.cumsum(0)
     order = flat.argsort(stable=True)
     sorted_experts = flat[order]
     rank = torch.arange(num_pairs, device=ids.device) - (counts.cumsum(0) - counts)[sorted_experts]
-    sorted_ids = torch.full((max_rows,), num_pairs, dtype=torch.int32, device=ids.device)
-    sorted_ids[(ends - padded)[sorted_experts] + rank] = order.to(torch.int32)
+    sorted_ids = torch.full((max_rows + 1,), num_pairs, dtype=torch.int32, device=ids.device)
+    place = torch.where(sorted_experts < num_experts, (ends - padded)[sorted_experts] + rank, max_rows)
+    sorted_ids[place] = order.to(torch.int32)  # the pairs left out land in the extra row, cut off below
+    sorted_ids = sorted_ids[:max_rows]
+    ends = ends[:num_experts]
     tile_starts = torch.arange(0, max_rows, block_m, device=ids.device)
     tile_experts = torch.searchsorted(ends, tile_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
     return sorted_ids, tile_experts, ends[-1:].to(torch.int32)
@@ -178,9 +185,10 @@ def _launch(a, w, out, route_weights, aligned, num_pairs: int, n: int, row_divis
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              launch: dict | None = None) -> torch.Tensor:
+              launch: dict | None = None, leaves_out: bool = False) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; weights, ids [T, k] -> [T, H].
-    launch: block_n, block_k, num_warps, num_stages (default: launch_config)."""
+    launch: block_n, block_k, num_warps, num_stages (default: launch_config). leaves_out: some ids are -1, pairs
+    left out (their rows of the sum are zeros)."""
     num_tokens, top_k = ids.shape
     num_pairs, inter, hidden = ids.numel(), w2.shape[2], x.shape[1]
     block_m = moe_block_m(num_pairs)
@@ -188,6 +196,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     launch = launch or launch_config(block_m)
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     _launch(x, w13, act, None, aligned, num_pairs, inter, top_k, True, block_m, launch, up_offset=inter)
-    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    out = (torch.zeros if leaves_out else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _launch(act, w2, out, weights.flatten().contiguous(), aligned, num_pairs, hidden, 1, False, block_m, launch)
     return out.view(num_tokens, top_k, hidden).sum(1)

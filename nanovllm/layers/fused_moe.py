@@ -21,13 +21,15 @@ def route_top_k(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> t
 
 def moe_sorted(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; weights, ids [T, k]."""
+    """x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; weights, ids [T, k] (an id of -1: a pair
+    left out, its expert not among these)."""
     num_tokens, top_k = ids.shape
-    order = ids.flatten().argsort(stable=True)
+    flat = ids.flatten()
+    order = torch.where(flat < 0, w13.shape[0], flat).argsort(stable=True)  # pairs left out sort last
     tokens = order // top_k  # each sorted pair's token
-    counts = torch.bincount(ids.flatten(), minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat[flat >= 0], minlength=w13.shape[0]).tolist()
     rows = x[tokens]
-    out = torch.empty(order.numel(), x.shape[1], dtype=x.dtype, device=x.device)
+    out = torch.zeros(order.numel(), x.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for expert, count in enumerate(counts):
         if count:
@@ -51,23 +53,38 @@ def moe_per_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
 
 class FusedMoE(CustomOp):
     """num_experts SiLU-gated MLPs of hidden_size -> intermediate_size -> hidden_size, their weights stacked; each
-    token runs the top_k that its router logits pick (renormalized to sum to one where the model says so)."""
+    token runs the top_k that its router logits pick (renormalized to sum to one where the model says so). With
+    experts past the GPU (streaming/expert_offload.py), w13 and w2 hold the resident ones and `offload` runs them."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
+        self.num_experts = num_experts
+        self.offload = None  # streaming/expert_offload.py: the experts past the GPU
 
-    def forward_native(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_top_k(router_logits, self.top_k, self.renormalize)
-        return moe_sorted(x, self.w13, self.w2, weights, ids)
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(router_logits)
+        if self.offload is not None:
+            return self.offload.run(self, x, weights, ids)
+        return self.experts(x, self.w13, self.w2, weights, ids)
 
-    def forward_triton(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        from nanovllm.kernels.fused_moe import fused_moe, route
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            from nanovllm.kernels.fused_moe import route
 
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
-        return fused_moe(x, self.w13, self.w2, weights, ids)
+            return route(router_logits, self.top_k, self.renormalize)
+        return route_top_k(router_logits, self.top_k, self.renormalize)
+
+    def experts(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                leaves_out: bool = False) -> torch.Tensor:
+        """The experts w13 / w2 on the pairs ids [T, k] (rows of w13; leaves_out: -1 for a pair left out)."""
+        if self.use_triton:
+            from nanovllm.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, w13, w2, weights, ids, leaves_out=leaves_out)
+        return moe_sorted(x, w13, w2, weights, ids)
 
     def load_expert(self, name: str, tensor: torch.Tensor, expert: int | None):
         """One checkpoint tensor: an expert's gate_proj / up_proj / down_proj ([I, H] / [I, H] / [H, I]), or every

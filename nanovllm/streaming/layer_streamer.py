@@ -75,6 +75,11 @@ class LayerStreamer:
                     f"{placement.table()}")
         return cls(layers, placement.streamed, device, disk=placement.disk, layer_file=layer_file)
 
+    def describe(self, device: torch.device) -> str:
+        disk = f", {len(self.disk)} of them from disk" if self.disk else ""
+        return (f"{len(self.streamed)} of {len(self.layers)} decoder layers streamed in from host memory{disk}, "
+                f"{self.num_slots} slots on {device}")
+
     def module_ids(self) -> set[int]:
         """id() of every module of the streamed layers."""
         return {id(m) for i in self.streamed for m in self.layers[i].modules()}
