@@ -61,3 +61,26 @@ def test_causal_conv1d_carries_its_state(split):
     rest, final = causal_conv1d(x[split:], weight, bias, state)
     torch.testing.assert_close(torch.cat([first, rest]), whole)
     torch.testing.assert_close(final, x[-3:].t())
+
+
+def test_a_batched_decode_step_equals_each_sequence_alone():
+    """gated_delta_rule_step and causal_conv1d_step over 3 sequences at once: each sequence's recurrent token."""
+    from nanovllm.layers.linear_attention import causal_conv1d_step, gated_delta_rule_step
+
+    g = torch.Generator().manual_seed(5)
+    b, hk, hv, dk, dv, channels, width = 3, 2, 4, 8, 6, 10, 4
+    q, k = torch.randn(b, hk, dk, generator=g), torch.randn(b, hk, dk, generator=g)
+    v, gate, beta = torch.randn(b, hv, dv, generator=g), -torch.rand(b, hv, generator=g), torch.rand(b, hv, generator=g)
+    state = torch.randn(b, hv, dk, dv, generator=g)
+    out, after = gated_delta_rule_step(q, k, v, gate, beta, state)
+    x, conv_state, weight = torch.randn(b, channels, generator=g), torch.randn(b, channels, width - 1, generator=g), \
+        torch.randn(channels, width, generator=g)
+    y, conv_after = causal_conv1d_step(x, weight, None, conv_state)
+    for i in range(b):
+        want, want_state = gated_delta_rule_recurrent(q[i:i + 1], k[i:i + 1], v[i:i + 1], gate[i:i + 1],
+                                                      beta[i:i + 1], state[i])
+        torch.testing.assert_close(out[i], want[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(after[i], want_state, atol=1e-5, rtol=1e-5)
+        want_y, want_conv = causal_conv1d(x[i:i + 1], weight, None, conv_state[i])
+        torch.testing.assert_close(y[i], want_y[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(conv_after[i], want_conv, atol=1e-6, rtol=1e-6)

@@ -60,9 +60,12 @@ def test_greedy_and_logprobs_match_hf(tmp_path, tiny_model_dir, name):
     path = write_hf_next(tmp_path, tiny_model_dir("tiny-qwen3"), **CONFIGS[name])
     hf = HFQwen3Next.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
-    prompts = _prompts((5, 37, 80))
+    prompts = _prompts((1, 5, 37, 80))  # a one-token prompt decodes from its first step, in the batched path
     params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=1, prompt_logprobs=1)
-    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+    first = llm.generate([{"prompt_token_ids": p} for p in prompts[::-1]], params, use_tqdm=False)  # slots used once
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in first[::-1]]
+    for prompt, out in zip(prompts, outputs):
         tokens, step_logprobs = hf_greedy(hf, prompt, 12)
         assert out.outputs[0].token_ids == tokens
         for entry, ref, token in zip(out.outputs[0].logprobs, step_logprobs, tokens):

@@ -72,3 +72,26 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     padded = torch.cat([past, x.t()], 1)  # [C, W - 1 + T]
     y = F.conv1d(padded[None], weight[:, None, :], bias, groups=x.shape[1])[0]
     return F.silu(y).t(), padded[:, -(width - 1):] if width > 1 else padded[:, :0]
+
+
+def gated_delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences at once (a decode step): q, k [B, Hk, dk]; v [B, Hv, dv]; g, beta [B, Hv];
+    state [B, Hv, dk, dv]. Returns (o [B, Hv, dv] in v's dtype, the states after, fp32)."""
+    q, k = _expand_heads(q, k, v.shape[1])
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    s = state.float() * g.exp()[..., None, None]
+    u = beta[..., None] * (v - torch.einsum("bhkv,bhk->bhv", s, k))
+    s = s + k[..., :, None] * u[..., None, :]
+    return torch.einsum("bhkv,bhk->bhv", s, q * q.shape[-1] ** -0.5).to(v.dtype), s
+
+
+def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """causal_conv1d for one token of each of B sequences: x [B, C]; state [B, C, W - 1]. Returns (silu(conv) [B, C],
+    the states after)."""
+    window = torch.cat([state.to(x.dtype), x[:, :, None]], -1)  # [B, C, W]
+    y = (window * weight).sum(-1)
+    if bias is not None:
+        y = y + bias
+    return F.silu(y), window[:, :, 1:]

@@ -15,13 +15,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.attention import AttentionMetadata
+from nanovllm.device_arrays import to_device
 from nanovllm.distributed.parallel_state import tp_size
 from nanovllm.kvcache.spec import StateSpec
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import LMHead, VocabEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnLinear, ReplicatedLinear, RowParallelLinear
-from nanovllm.layers.linear_attention import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_recurrent
+from nanovllm.layers.linear_attention import (
+    causal_conv1d,
+    causal_conv1d_step,
+    gated_delta_rule_chunked,
+    gated_delta_rule_recurrent,
+    gated_delta_rule_step,
+)
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.models.llama import LlamaMLP
 from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -77,12 +84,29 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
+        decodes = meta.num_decodes if meta.state_slots is not None else 0
+        if decodes:  # one token each, first in the step: one batched step from their slots
+            out[:decodes] = self._decode(mixed[:decodes], g[:decodes], beta[:decodes], meta)
         starts = meta.query_start_loc_cpu
-        for i in range(len(starts) - 1):
+        for i in range(decodes, len(starts) - 1):
             rows = slice(starts[i], starts[i + 1])
             out[rows] = self._sequence(mixed[rows], g[rows], beta[rows], meta.seq_lens_cpu[i],
                                        meta.state_slots[i] if meta.state_slots is not None else None)
         return self.out_proj(self._gated_norm(out, z).flatten(1))
+
+    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = mixed.shape[0]
+        if "state_slots" not in meta.scratch:  # made once a step, for every such layer
+            meta.scratch["state_slots"] = to_device(meta.state_slots[:n], torch.int64, mixed.device)
+        slots = meta.scratch["state_slots"]
+        kept = (meta.seq_lens[:n] > 1).float()[:, None, None]  # a one-token prompt starts from zeros
+        mixed, self.conv_state[slots] = causal_conv1d_step(mixed, self.conv1d.weight[:, 0], None,
+                                                           self.conv_state[slots] * kept)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], -1)
+        q, k = (_l2norm(t.reshape(n, self.num_k_heads, self.head_k_dim)) for t in (q, k))
+        out, self.ssm_state[slots] = gated_delta_rule_step(q, k, v.reshape(n, self.num_v_heads, self.head_v_dim), g,
+                                                           beta, self.ssm_state[slots] * kept[..., None])
+        return out
 
     def _sequence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seq_len: int,
                   slot: int | None) -> torch.Tensor:
