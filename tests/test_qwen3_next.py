@@ -99,11 +99,14 @@ def test_state_slots_under_chunked_prefill_preemption_and_aborts(next_model):
     assert engine.block_manager.state_slots.num_free == 4
 
 
-def test_the_synthetic_shape_and_dummy_weights_load(tiny_model_dir):
-    """tiny-qwen3-next as the synthetic writer draws it (full_attention_interval, no layer_types; zero-centered
+@pytest.mark.parametrize("shape", ["tiny-qwen3-next", "tiny-qwen3.5-moe"])
+def test_the_synthetic_shape_and_dummy_weights_load(tiny_model_dir, shape):
+    """The tiny shapes as the synthetic writer draws them (full_attention_interval, no layer_types; zero-centered
     norms): HF's greedy tokens; load_format="dummy" draws the same weights."""
-    path = tiny_model_dir("tiny-qwen3-next")
-    hf = HFQwen3Next.from_pretrained(path, dtype=torch.float32).eval()
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dir(shape)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt = _prompts((29,), seed=3)[0]
     params = SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
     for load_format in ("auto", "dummy"):

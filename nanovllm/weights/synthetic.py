@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from nanovllm.models.qwen3_next import layer_types
 
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # linear and gated full attention, 1 + w norms
 _BASE = dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 SHAPES = {
     "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
@@ -43,6 +44,24 @@ SHAPES = {
                                full_attention_interval=4, num_experts=512, num_experts_per_tok=10, norm_topk_prob=True,
                                decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=262144,
                                rope_theta=10000000.0, partial_rotary_factor=0.25, attention_bias=False),
+    # Qwen3.5's text models as their configs give them (layers, widths, experts, the linear attention's heads)
+    "qwen3.5-35b-a3b": dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", vocab_size=248320,
+                            hidden_size=2048, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                            num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                            linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                            linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+                            num_experts=256, num_experts_per_tok=8, max_position_embeddings=262144,
+                            rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+                            attention_bias=False),
+    "qwen3.5-397b-a17b": dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text",
+                              vocab_size=248320, hidden_size=4096, moe_intermediate_size=1024,
+                              shared_expert_intermediate_size=1024, num_hidden_layers=60, num_attention_heads=32,
+                              num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64,
+                              linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                              full_attention_interval=4, num_experts=512, num_experts_per_tok=10,
+                              max_position_embeddings=262144,
+                              rope_parameters=dict(rope_type="default", rope_theta=10000000.0,
+                                                   partial_rotary_factor=0.25), attention_bias=False),
     "tiny-llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=True,
@@ -67,6 +86,14 @@ SHAPES = {
                             full_attention_interval=2, num_experts=5, num_experts_per_tok=2, norm_topk_prob=True,
                             decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=1024,
                             rope_theta=10000.0, partial_rotary_factor=0.25, attention_bias=False),
+    "tiny-qwen3.5-moe": dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", vocab_size=512,
+                             hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                             linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2,
+                             num_experts=6, num_experts_per_tok=2, max_position_embeddings=1024,
+                             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+                             attention_bias=False),
     "tiny-qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=512, hidden_size=64,
                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=32, max_position_embeddings=1024, rope_theta=10000.0),
@@ -78,32 +105,38 @@ def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     h, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,)}
+    hybrid = c["model_type"] in HYBRID_TYPES
     if not c["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (c["vocab_size"], h)
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
-        if c["model_type"] == "qwen3_next" and layer_types(SimpleNamespace(**c))[i] == "linear_attention":
+        if hybrid and layer_types(SimpleNamespace(**c))[i] == "linear_attention":
             shapes.update(_gated_deltanet_shapes(c, p + "linear_attn."))
             shapes.update(_mlp_shapes(c, i, p))
             continue
-        gated = 2 if c["model_type"] == "qwen3_next" else 1  # q_proj gives each head's query and output gate
+        gated = 2 if hybrid else 1  # q_proj gives each head's query and output gate
         shapes.update({p + "self_attn.q_proj.weight": (gated * q, h), p + "self_attn.k_proj.weight": (kv, h),
                        p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
         shapes.update(_mlp_shapes(c, i, p))
         if c["model_type"] == "qwen2":
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
-        if c["model_type"] in ("qwen3", "qwen3_moe", "qwen3_next"):
+        if c["model_type"] in ("qwen3", "qwen3_moe") or hybrid:
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
     return shapes
 
 
 def _gated_deltanet_shapes(c: dict, p: str) -> dict[str, tuple[int, ...]]:
+    """Qwen3-Next's projections interleaved by key head (in_proj_qkvz, in_proj_ba), Qwen3.5's one each."""
     h, hk, hv = c["hidden_size"], c["linear_num_key_heads"], c["linear_num_value_heads"]
     key, value = hk * c["linear_key_head_dim"], hv * c["linear_value_head_dim"]
-    return {p + "in_proj_qkvz.weight": (2 * key + 2 * value, h), p + "in_proj_ba.weight": (2 * hv, h),
-            p + "conv1d.weight": (2 * key + value, 1, c["linear_conv_kernel_dim"]), p + "dt_bias": (hv,),
+    if c["model_type"] == "qwen3_next":
+        shapes = {p + "in_proj_qkvz.weight": (2 * key + 2 * value, h), p + "in_proj_ba.weight": (2 * hv, h)}
+    else:
+        shapes = {p + "in_proj_qkv.weight": (2 * key + value, h), p + "in_proj_z.weight": (value, h),
+                  p + "in_proj_b.weight": (hv, h), p + "in_proj_a.weight": (hv, h)}
+    return {**shapes, p + "conv1d.weight": (2 * key + value, 1, c["linear_conv_kernel_dim"]), p + "dt_bias": (hv,),
             p + "A_log": (hv,), p + "norm.weight": (c["linear_value_head_dim"],), p + "out_proj.weight": (h, value)}
 
 
@@ -163,7 +196,7 @@ def random_weights(config: dict, dtype: torch.dtype, device: str | torch.device,
     same seed and device give the same values (load_format="dummy" draws what write_model writes)."""
     generator = torch.Generator(device).manual_seed(seed)
     for name, shape in weight_shapes(config).items():
-        yield name, _random(name, shape, generator, device, config["model_type"] == "qwen3_next").to(dtype)
+        yield name, _random(name, shape, generator, device, config["model_type"] in HYBRID_TYPES).to(dtype)
 
 
 def write_config(shape: str | dict, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> tuple[Path, dict]:
