@@ -130,10 +130,11 @@ GGUF_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_n
               "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp"}
 
 
-def write_qwen3moe_gguf(model: Qwen3MoeForCausalLM, path, donor: str):
+def write_qwen3moe_gguf(model: Qwen3MoeForCausalLM, path, donor: str, expert_type: str = "F32"):
     """The model as llama.cpp's converter writes a qwen3moe file: F32 tensors under GGUF names, each layer's experts
-    stacked ([experts, rows, cols]), the tokenizer the donor's."""
+    stacked ([experts, rows, cols]) in expert_type, the tokenizer the donor's."""
     import gguf
+    from gguf.quants import quantize
 
     c, writer = model.config, gguf.GGUFWriter(str(path), "qwen3moe")
     for add, value in ((writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, 1024),
@@ -165,7 +166,12 @@ def write_qwen3moe_gguf(model: Qwen3MoeForCausalLM, path, donor: str):
     for layer, stacked in experts.items():  # transformers 5 holds them stacked: gate_up_proj [E, 2I, H], down_proj
         gate, up = stacked["gate_up_proj"].float().chunk(2, dim=1)
         for gguf_name, tensor in (("ffn_gate_exps", gate), ("ffn_up_exps", up), ("ffn_down_exps", stacked["down_proj"])):
-            writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", tensor.float().contiguous().numpy())
+            values = tensor.float().contiguous().numpy()
+            if expert_type == "F32":
+                writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", values)
+            else:
+                kind = gguf.GGMLQuantizationType[expert_type]
+                writer.add_tensor(f"blk.{layer}.{gguf_name}.weight", quantize(values, kind), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -191,6 +197,30 @@ def test_a_qwen3moe_gguf_file_gives_the_checkpoint_tokens(tmp_path, tiny_model_d
     for a, b in zip(want, got):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-4)
+
+
+@pytest.mark.slow  # the bundled model's tokenizer
+def test_gguf_experts_kept_quantized_on_cpu_give_the_dequantized_tokens(tmp_path, tiny_model_dir, smollm2_path):
+    """Q8_0 experts: quantization="gguf" on CPU keeps them as blocks and dequantizes the routed ones a step (no dense
+    copy of the experts is made); the default dequantizes them all at load. The same tokens."""
+    import gguf
+
+    vocab = len(gguf.GGUFReader(smollm2_path).fields["tokenizer.ggml.tokens"].data)
+    path = write_hf_moe(tmp_path, tiny_model_dir("tiny-qwen3"), vocab_size=vocab,
+                        **CONFIGS["top2-renormalized-mlp-only-layer"])
+    gguf_path = tmp_path / "moe-q8.gguf"
+    write_qwen3moe_gguf(Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32), gguf_path, smollm2_path, "Q8_0")
+    kw = dict(device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": list(range(300, 340))}, {"prompt_token_ids": [5, 9, 12]}]
+    kept = LLM(str(gguf_path), quantization="gguf", **kw)
+    experts = kept.llm_engine.model_runner.model.model.layers[0].mlp.experts
+    assert experts.quantized is not None and experts.w13 is None
+    assert experts.quantized.parts["gate_proj"].type_name == "Q8_0"
+    want = LLM(str(gguf_path), **kw).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(want, kept.generate(prompts, params, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-3)
 
 
 def test_the_active_weight_bound_counts_the_routed_experts(tmp_path, tiny_model_dir):

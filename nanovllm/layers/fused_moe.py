@@ -63,11 +63,14 @@ class FusedMoE(CustomOp):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False)
         self.num_experts = num_experts
         self.offload = None  # streaming/expert_offload.py: the experts past the GPU
+        self.quantized = None  # experts kept as a file's quantized blocks (quant/gguf_experts.py), which the model sets
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(router_logits)
         if self.offload is not None:
             return self.offload.run(self, x, weights, ids)
+        if self.quantized is not None:
+            return moe_sorted(x, *self.quantized.views(), weights, ids)
         return self.experts(x, self.w13, self.w2, weights, ids)
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

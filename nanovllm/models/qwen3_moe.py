@@ -3,6 +3,7 @@ sparse layers a mixture of experts in place of the MLP: a linear router over num
 num_experts_per_tok (renormalized where norm_topk_prob), each a SiLU-gated MLP of moe_intermediate_size (Qwen2-MoE:
 and a shared expert). A layer is sparse unless it is in mlp_only_layers or (its index + 1) is not a multiple of
 decoder_sparse_step; dense layers keep the Llama MLP."""
+import contextlib
 import re
 
 import torch
@@ -11,8 +12,13 @@ from torch import nn
 from nanovllm.distributed.parallel_state import tp_size
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.logger import log_once
 from nanovllm.models.llama import LlamaMLP
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.quant.gguf_experts import GGUFExperts
+from nanovllm.quant.gguf_linear import GGUFConfig
+from nanovllm.quant.gguf_weight import GGUFWeight
 
 # model.layers.L.mlp.experts.E.gate_proj.weight (a tensor an expert), or model.layers.L.mlp.experts.gate_up_proj
 EXPERT_TENSOR = re.compile(r"model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?:(?P<expert>\d+)\.)?(?P<proj>\w+?)"
@@ -23,13 +29,21 @@ class Qwen3MoeSparseBlock(nn.Module):
     """The routed experts, and where the config has shared_expert_intermediate_size (Qwen2-MoE, Qwen3-Next,
     Qwen3.5), a shared expert every token runs, scaled by a sigmoid gate."""
 
-    def __init__(self, config):
+    def __init__(self, config, quant_config=None):
+        """quant_config: a GGUF file's (GGUFConfig): on CPU its experts stay quantized, on CUDA they are dequantized
+        at load (the fused MoE kernels have no quantized form yet); the router and shared expert follow it."""
         super().__init__()
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                                config.moe_intermediate_size, getattr(config, "norm_topk_prob", True))  # Qwen3.5: always
+        method = quant_config.linear_method() if quant_config is not None else None
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, linear_method=method)
+        kept = quant_config is not None and quant_config.device.type == "cpu"
+        with torch.device("meta") if kept else contextlib.nullcontext():  # kept quantized: no dense experts at all
+            self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                    config.moe_intermediate_size, getattr(config, "norm_topk_prob", True))  # 3.5: always
+        if kept:
+            self.experts.quantized = GGUFExperts(config.num_experts, self.experts.w13.dtype)
+            self.experts.w13 = self.experts.w2 = None
         shared = getattr(config, "shared_expert_intermediate_size", 0)
-        self.shared_expert = LlamaMLP(config, intermediate_size=shared) if shared else None
+        self.shared_expert = LlamaMLP(config, quant_config, intermediate_size=shared) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
         self.loaded: set[tuple[int | None, str]] = set()  # (expert or None for all, projection) of the checkpoint
 
@@ -47,7 +61,7 @@ class Qwen3MoeSparseBlock(nn.Module):
         """The expert tensors the checkpoint did not give (a per-expert tensor, or the stacked one that holds it)."""
         stacked = {proj for expert, proj in self.loaded if expert is None}
         held_in = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
-        return [f"expert {e} {proj}" for e in range(self.experts.w13.shape[0]) for proj, whole in held_in.items()
+        return [f"expert {e} {proj}" for e in range(self.experts.num_experts) for proj, whole in held_in.items()
                 if (e, proj) not in self.loaded and not {proj, whole} & stacked]
 
 
@@ -55,10 +69,9 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     special_params = (".experts.",)
 
     def __init__(self, config, quant_config=None):
-        if quant_config is not None:
-            raise NotImplementedError(f"quantized weights are not supported yet for {config.architectures[0]}: pass "
-                                      "quantization='none' (a GGUF file is then dequantized at load; the CPU default) "
-                                      "or load a 16-bit checkpoint without quantization")
+        if quant_config is not None and not isinstance(quant_config, GGUFConfig) or getattr(quant_config, "int4", False):
+            raise NotImplementedError(f"quantization at load is not supported yet for {config.architectures[0]}: load "
+                                      "its 16-bit checkpoint with quantization=None, or a GGUF file")
         if tp_size() > 1:
             raise NotImplementedError("tensor_parallel_size > 1 is not supported yet for mixture-of-experts models")
         super().__init__(config, quant_config)
@@ -67,7 +80,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         sparse = layer_index not in (getattr(config, "mlp_only_layers", None) or []) \
             and getattr(config, "num_experts", 0) > 0 \
             and (layer_index + 1) % getattr(config, "decoder_sparse_step", 1) == 0
-        return Qwen3MoeSparseBlock(config) if sparse else None
+        return Qwen3MoeSparseBlock(config, quant_config) if sparse else None
 
     def load_special(self, name: str, tensor: torch.Tensor) -> bool:
         match = EXPERT_TENSOR.match(name)
@@ -78,10 +91,15 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if not isinstance(block, Qwen3MoeSparseBlock):
             raise ValueError(f"the checkpoint has an expert tensor {name!r} for layer {layer}, which has no experts "
                              "in this config (mlp_only_layers / decoder_sparse_step)")
-        if expert is not None and expert >= block.experts.w13.shape[0]:
-            raise ValueError(f"the checkpoint has {name!r}, past the config's num_experts="
-                             f"{block.experts.w13.shape[0]}")
-        block.experts.load_expert(match["proj"], tensor, expert)
+        if expert is not None and expert >= block.experts.num_experts:
+            raise ValueError(f"the checkpoint has {name!r}, past the config's num_experts={block.experts.num_experts}")
+        if block.experts.quantized is not None:
+            block.experts.quantized.load(match["proj"], tensor)
+        else:
+            if isinstance(tensor, GGUFWeight):  # every expert's rows of one projection, [experts x rows, cols]
+                log_once("the experts of a GGUF file are dequantized at load (no quantized fused MoE kernel yet)")
+                tensor = tensor.dequantize().view(block.experts.num_experts, -1, tensor.shape[1])
+            block.experts.load_expert(match["proj"], tensor, expert)
         block.loaded.add((expert, match["proj"]))
         return True
 

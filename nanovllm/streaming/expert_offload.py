@@ -132,6 +132,9 @@ class ExpertOffload:
 
     @classmethod
     def for_model(cls, moes: list, config, device: torch.device) -> "ExpertOffload":
+        if moes[0].quantized is not None:
+            raise NotImplementedError("cpu_offload_gb does not stream experts kept quantized yet (quantization='gguf' "
+                                      "on CPU): every weight is in host memory already")
         if config.disk_offload_gb:
             raise NotImplementedError("disk_offload_gb is not supported yet for mixture-of-experts models: their "
                                       "experts stream from host memory (cpu_offload_gb)")

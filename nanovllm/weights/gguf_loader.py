@@ -1,4 +1,5 @@
 """GGUF files through the `gguf` package: the HF config from the metadata, and tensors under HF names."""
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -127,8 +128,9 @@ def _load_tensor(file, t, keep_quantized: bool) -> torch.Tensor | GGUFWeight:
     type_name = t.tensor_type.name
     shape = [int(n) for n in reversed(t.shape)]
     quantized = type_name not in gguf_formats.DENSE_TYPES
-    if quantized and keep_quantized and type_name in gguf_formats.FORMATS and len(shape) == 2:
-        return GGUFWeight.from_blocks(_read_bytes(file, t), type_name, tuple(shape))
+    if quantized and keep_quantized and type_name in gguf_formats.FORMATS and len(shape) in (2, 3):
+        # a mixture's stacked experts [E, N, K] as one weight of E x N rows
+        return GGUFWeight.from_blocks(_read_bytes(file, t), type_name, (math.prod(shape[:-1]), shape[-1]))
     if quantized:
         log_once(f"GGUF {type_name} tensors are dequantized at load" +
                  (" (no kernel keeps this type quantized yet)" if keep_quantized else ""))
