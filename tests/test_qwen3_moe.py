@@ -223,6 +223,31 @@ def test_gguf_experts_kept_quantized_on_cpu_give_the_dequantized_tokens(tmp_path
         assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob, abs=1e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_qwen3moe_gguf_file_on_the_gpu_gives_the_cpu_tokens(tmp_path, tiny_model_dir):
+    """Q8_0 experts dequantized at load for the fused kernels, the rest through the GGUF linear method, fp32: the
+    CPU run's tokens. The tokenizer donor: NANOVLLM_TOKENIZER_GGUF on the device (no bundled model there)."""
+    import os
+
+    import gguf
+
+    from nanovllm.weights.bundled import bundled_model_path
+
+    donor = os.environ.get("NANOVLLM_TOKENIZER_GGUF") or bundled_model_path()
+    vocab = len(gguf.GGUFReader(donor).fields["tokenizer.ggml.tokens"].data)
+    path = write_hf_moe(tmp_path, tiny_model_dir("tiny-qwen3"), vocab_size=vocab,
+                        **CONFIGS["top2-renormalized-mlp-only-layer"])
+    gguf_path = tmp_path / "moe-q8.gguf"
+    write_qwen3moe_gguf(Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32), gguf_path, donor, "Q8_0")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(300, 340))}, {"prompt_token_ids": [5, 9, 12]}]
+    kw = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    want = LLM(str(gguf_path), device="cpu", **kw).generate(prompts, params, use_tqdm=False)
+    got = LLM(str(gguf_path), device="cuda", **kw).generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
 def test_the_active_weight_bound_counts_the_routed_experts(tmp_path, tiny_model_dir):
     """bs=1 reads k of a layer's E experts (2 of 5 here); a large batch reaches nearly all; without a batch, all."""
     from nanovllm.utils.benchmarking import weight_bytes_per_step
