@@ -1,6 +1,8 @@
 """Experts past the GPU (streaming/expert_offload.py): with cpu_offload_gb on a mixture of experts, the resident and
 the streamed experts together give the tokens of the model held whole, the resident set follows the routing counts,
 and the placement plan puts the budget in whole experts."""
+import gc
+
 import pytest
 import torch
 
@@ -38,14 +40,29 @@ def test_streamed_experts_give_the_resident_tokens(tiny_model_dir, monkeypatch, 
 
 
 def test_the_placement_puts_the_budget_in_whole_experts():
-    p = ExpertPlacement.plan(num_layers=48, num_experts=128, expert_bytes=9 << 20, offload_bytes=30 << 30)
-    assert p.offloaded == 72 and p.resident == 56  # 30 GiB / (48 layers x 9 MiB) = 71.1 -> 72 a layer
+    p = ExpertPlacement.plan(num_layers=48, num_experts=128, expert_bytes=9 << 20, host_bytes=30 << 30)
+    assert p.host == 72 and p.resident == 56  # 30 GiB / (48 layers x 9 MiB) = 71.1 -> 72 a layer
     assert ExpertPlacement.plan(2, 5, 100, 10_000).resident == 0  # more than the experts hold: all of them
+    both = ExpertPlacement.plan(48, 128, 9 << 20, host_bytes=10 << 30, disk_bytes=20 << 30)
+    assert (both.disk, both.host, both.resident) == (48, 24, 56)
 
 
-def test_disk_offload_of_experts_is_refused(tiny_model_dir):
-    with pytest.raises(NotImplementedError, match="cpu_offload_gb"):
-        LLM(tiny_model_dir("tiny-qwen3-moe"), device="cpu", max_model_len=128, disk_offload_gb=1e-5)
+def test_experts_on_disk_give_the_resident_tokens(tiny_model_dir, tmp_path):
+    """2 experts a layer in host memory and 2 on disk (each projection at its own aligned offset of a file in
+    offload_folder, read back when routed): the resident tokens; the file goes with the engine."""
+    path = tiny_model_dir("tiny-qwen3-moe")
+    kw = dict(device="cpu", max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    want = _tokens(LLM(path, **kw))
+    per_layer = 2 * 24_576 / (1 << 30)
+    llm = LLM(path, cpu_offload_gb=2 * per_layer, disk_offload_gb=2 * per_layer, offload_folder=str(tmp_path), **kw)
+    offload = llm.llm_engine.model_runner.streamer
+    assert (offload.placement.resident, offload.placement.host, offload.placement.disk) == (1, 2, 2)
+    assert "2 on disk" in llm.llm_engine.model_runner.plan.table(128)
+    assert _tokens(llm) == want
+    [file] = tmp_path.glob("nanovllm-layers-*.bin")
+    del llm, offload
+    gc.collect()
+    assert not file.exists()
 
 
 @pytest.mark.gpu

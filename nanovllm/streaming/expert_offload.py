@@ -1,17 +1,22 @@
-"""Experts past the GPU. With cpu_offload_gb on a mixture-of-experts model the unit of placement is the expert: the
-layers' dense parts (attention, norms, router, shared expert) and the embeddings stay resident, and in each MoE layer
-as many experts as the budget leaves stay on the device while the rest live in host memory (pinned on CUDA). A step
-runs a layer's router, its resident experts on the pairs routed to them, then loads the union of the batch's routed
-non-resident experts into a device pool shared by the layers (one gathered copy each of gate_up and down) and runs
-them on theirs. Which experts are resident follows the routing counts seen so far, revised every `revise_every`
-forwards of a layer. Steps run eagerly: the routed experts are read on the host. On CPU the same bookkeeping, with
-host tensors as the "device", tested in CI."""
+"""Experts past the GPU. With cpu_offload_gb / disk_offload_gb on a mixture-of-experts model the unit of placement
+is the expert: the layers' dense parts (attention, norms, router, shared expert) and the embeddings stay resident,
+and in each MoE layer as many experts as the budgets leave stay on the device while the rest live in host memory
+(pinned on CUDA) or in a file in offload_folder. A step runs a layer's router, its resident experts on the pairs
+routed to them, then loads the union of the batch's routed non-resident experts into a device pool shared by the
+layers (host ones in one gathered copy each of gate_up and down, disk ones by positional reads through a pinned
+staging buffer) and runs them on theirs. Which experts are resident follows the routing counts seen so far, revised
+every `revise_every` forwards of a layer (between the device and host memory; disk experts stay on disk). Steps run
+eagerly: the routed experts are read on the host. On CPU the same bookkeeping, with host tensors as the "device",
+tested in CI."""
 import math
 from dataclasses import dataclass
 
 import torch
 
-from nanovllm.logger import logger
+from nanovllm.cache_dir import cache_dir
+from nanovllm.host_memory import require_disk_space, require_host_memory
+from nanovllm.logger import log_once, logger
+from nanovllm.streaming.layer_file import LayerFile, aligned
 
 REVISE_EVERY = 64  # forwards of a layer between two revisions of its resident experts
 
@@ -21,23 +26,33 @@ class ExpertPlacement:
     num_layers: int  # MoE layers
     num_experts: int  # a layer
     expert_bytes: int
-    resident: int  # experts a layer kept on the device
+    host: int  # experts a layer in host memory
+    disk: int = 0  # experts a layer on disk
 
     @classmethod
-    def plan(cls, num_layers: int, num_experts: int, expert_bytes: int, offload_bytes: int) -> "ExpertPlacement":
-        """The fewest experts a layer, the same in every layer, that hold offload_bytes in host memory."""
-        per_layer = min(num_experts, math.ceil(offload_bytes / max(1, expert_bytes * num_layers)))
-        return cls(num_layers, num_experts, expert_bytes, num_experts - per_layer)
+    def plan(cls, num_layers: int, num_experts: int, expert_bytes: int, host_bytes: int,
+             disk_bytes: int = 0) -> "ExpertPlacement":
+        """The fewest experts a layer, the same in every layer, that hold disk_bytes on disk and host_bytes in host
+        memory (at least that much each)."""
+        def per_layer(nbytes: int) -> int:
+            return math.ceil(nbytes / max(1, expert_bytes * num_layers))
+
+        disk = min(num_experts, per_layer(disk_bytes))
+        return cls(num_layers, num_experts, expert_bytes, min(num_experts - disk, per_layer(host_bytes)), disk)
+
+    @property
+    def resident(self) -> int:
+        return self.num_experts - self.host - self.disk
 
     @property
     def offloaded(self) -> int:
-        return self.num_experts - self.resident
+        return self.host + self.disk
 
     def table(self) -> str:
         gib = self.expert_bytes * self.num_layers / (1 << 30)
-        return ("| experts in | a layer | all layers |\n|---|---|---|\n"
-                f"| device | {self.resident} | {self.resident * gib:.2f} GiB |\n"
-                f"| host memory | {self.offloaded} | {self.offloaded * gib:.2f} GiB |")
+        return "| experts in | a layer | all layers |\n|---|---|---|\n" + "\n".join(
+            f"| {tier} | {n} | {n * gib:.2f} GiB |" for tier, n in
+            (("device", self.resident), ("host memory", self.host), ("disk", self.disk)))
 
 
 class ExpertPool:
@@ -48,54 +63,72 @@ class ExpertPool:
         self.cuda = device.type == "cuda"
         self.w13 = torch.empty(rows, *w13_shape, dtype=dtype, device=device)
         self.w2 = torch.empty(rows, *w2_shape, dtype=dtype, device=device)
-        self.stage13 = torch.empty(rows, *w13_shape, dtype=dtype, pin_memory=self.cuda) if self.cuda else None
-        self.stage2 = torch.empty(rows, *w2_shape, dtype=dtype, pin_memory=self.cuda) if self.cuda else None
+        self.stage13 = torch.empty(rows, *w13_shape, dtype=dtype, pin_memory=True) if self.cuda else None
+        self.stage2 = torch.empty(rows, *w2_shape, dtype=dtype, pin_memory=True) if self.cuda else None
         self.copied = torch.cuda.Event() if self.cuda else None
         self.num_loaded = 0  # statistics: experts copied in
 
-    def load(self, host13: torch.Tensor, host2: torch.Tensor, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """These experts' weights in the pool's first rows."""
-        n, index = len(experts), torch.tensor(experts)
+    def load(self, host13: torch.Tensor, host2: torch.Tensor, host_rows: list[int], read_disk=None,
+             num_disk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts into the pool's first rows: rows host_rows of the host tensors, then num_disk that read_disk(i,
+        w13 row, w2 row) fills from disk."""
+        n = len(host_rows) + num_disk
         self.num_loaded += n
-        if not self.cuda:
-            torch.index_select(host13, 0, index, out=self.w13[:n])
-            torch.index_select(host2, 0, index, out=self.w2[:n])
-            return self.w13[:n], self.w2[:n]
-        self.copied.synchronize()  # the staging rows of the layer before have reached the device
-        torch.index_select(host13, 0, index, out=self.stage13[:n])
-        torch.index_select(host2, 0, index, out=self.stage2[:n])
-        self.w13[:n].copy_(self.stage13[:n], non_blocking=True)
-        self.w2[:n].copy_(self.stage2[:n], non_blocking=True)
-        self.copied.record()
+        stage13, stage2 = (self.stage13, self.stage2) if self.cuda else (self.w13, self.w2)
+        if self.cuda:
+            self.copied.synchronize()  # the staging rows of the layer before have reached the device
+        if host_rows:
+            index = torch.tensor(host_rows)
+            torch.index_select(host13, 0, index, out=stage13[:len(host_rows)])
+            torch.index_select(host2, 0, index, out=stage2[:len(host_rows)])
+        for i in range(num_disk):
+            read_disk(i, stage13[len(host_rows) + i], stage2[len(host_rows) + i])
+        if self.cuda:
+            self.w13[:n].copy_(stage13[:n], non_blocking=True)
+            self.w2[:n].copy_(stage2[:n], non_blocking=True)
+            self.copied.record()
         return self.w13[:n], self.w2[:n]
 
 
 class LayerExperts:
-    """One MoE layer's experts: all of them in host memory, the resident ones also in its FusedMoE's w13 / w2."""
+    """One MoE layer's experts: its resident ones in its FusedMoE's w13 / w2, and in host memory those and the host
+    tier's (host_row_of); the disk tier's in the layer file."""
 
-    def __init__(self, moe, resident: int, pool: ExpertPool, device: torch.device, revise_every: int):
-        self.pool, self.revise_every = pool, revise_every
+    def __init__(self, moe, placement: ExpertPlacement, pool: ExpertPool, device: torch.device, revise_every: int,
+                 layer_file: LayerFile | None, key: int):
+        self.pool, self.revise_every, self.layer_file, self.key = pool, revise_every, layer_file, key
+        num_experts, in_host = placement.num_experts, placement.num_experts - placement.disk
+        if placement.disk:
+            for e in range(in_host, num_experts):  # each projection at its own aligned offset
+                layer_file.write(self._place(e, 0), moe.w13.data[e].contiguous().view(-1).view(torch.uint8))
+                layer_file.write(self._place(e, 1), moe.w2.data[e].contiguous().view(-1).view(torch.uint8))
         pin = device.type == "cuda"
-        self.host13 = moe.w13.data.pin_memory() if pin else moe.w13.data
-        self.host2 = moe.w2.data.pin_memory() if pin else moe.w2.data
-        num_experts = self.host13.shape[0]
-        self.resident = list(range(resident))
-        moe.w13 = torch.nn.Parameter(self.host13[:resident].to(device, copy=True), requires_grad=False)
-        moe.w2 = torch.nn.Parameter(self.host2[:resident].to(device, copy=True), requires_grad=False)
+        self.host13 = moe.w13.data[:in_host].pin_memory() if pin else moe.w13.data[:in_host].clone()
+        self.host2 = moe.w2.data[:in_host].pin_memory() if pin else moe.w2.data[:in_host].clone()
+        self.resident = list(range(placement.resident))
+        moe.w13 = torch.nn.Parameter(self.host13[:placement.resident].to(device, copy=True), requires_grad=False)
+        moe.w2 = torch.nn.Parameter(self.host2[:placement.resident].to(device, copy=True), requires_grad=False)
         self.row_of = torch.full((num_experts,), -1, dtype=torch.int64, device=device)  # resident expert -> its row
-        self.row_of[:resident] = torch.arange(resident, device=device)
+        self.row_of[:placement.resident] = torch.arange(placement.resident, device=device)
+        self.in_host = in_host  # experts 0..in_host-1 have host rows (their index); the rest are on disk
         self.counts = torch.zeros(num_experts, dtype=torch.int64, device=device)  # routed pairs seen, an expert
         self.forwards = 0
+
+    def _place(self, expert: int, projection: int) -> int:
+        return 2 * (self.key + expert) + projection
 
     def run(self, moe, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         rows = self.row_of[ids]
         out = moe.experts(x, moe.w13, moe.w2, weights, rows, leaves_out=True) if self.resident else \
             torch.zeros_like(x)
-        needed = ids[rows < 0].unique()
-        if needed.numel():
-            w13, w2 = self.pool.load(self.host13, self.host2, needed.tolist())
+        needed = ids[rows < 0].unique().tolist()
+        if needed:
+            host = [e for e in needed if e < self.in_host]
+            disk = [e for e in needed if e >= self.in_host]
+            w13, w2 = self.pool.load(self.host13, self.host2, host, lambda i, r13, r2: self._read(disk[i], r13, r2),
+                                     len(disk))
             pool_row = torch.full_like(self.row_of, -1)
-            pool_row[needed] = torch.arange(needed.numel(), device=ids.device)
+            pool_row[host + disk] = torch.arange(len(needed), device=ids.device)
             out = out + moe.experts(x, w13, w2, weights, pool_row[ids], leaves_out=True)
         self.counts.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
         self.forwards += 1
@@ -103,10 +136,19 @@ class LayerExperts:
             self.revise(moe)
         return out
 
+    def _read(self, expert: int, row13: torch.Tensor, row2: torch.Tensor):
+        """A disk expert's two projections into host rows (a staging buffer of whole pages between)."""
+        for projection, row in ((0, row13), (1, row2)):
+            nbytes = row.numel() * row.element_size()
+            if getattr(self, "_staging", None) is None or self._staging.numel() < aligned(nbytes):
+                self._staging = torch.empty(aligned(nbytes), dtype=torch.uint8, pin_memory=row.is_pinned())
+            self.layer_file.read_into(self._place(expert, projection), self._staging)
+            row.view(-1).view(torch.uint8).copy_(self._staging[:nbytes])
+
     def revise(self, moe):
-        """The most routed experts so far become the resident ones: each that enters takes the row of one that
-        leaves."""
-        wanted = set(self.counts.topk(len(self.resident)).indices.tolist())
+        """The most routed experts so far of those in host memory become the resident ones: each that enters takes
+        the row of one that leaves."""
+        wanted = set(self.counts[:self.in_host].topk(len(self.resident)).indices.tolist())
         leaving = [e for e in self.resident if e not in wanted]
         entering = sorted(wanted - set(self.resident))
         for old, new in zip(leaving, entering):
@@ -118,16 +160,18 @@ class LayerExperts:
 
 
 class ExpertOffload:
-    """The experts of every MoE layer of a model, placed as cpu_offload_gb says; what the engine asks of a streamer."""
+    """The experts of every MoE layer of a model, placed as cpu_offload_gb and disk_offload_gb say; what the engine
+    asks of a streamer."""
 
-    def __init__(self, moes: list, placement: ExpertPlacement, device: torch.device, revise_every: int | None = None):
-        self.placement, self.device = placement, device
-        revise_every = revise_every or REVISE_EVERY
+    def __init__(self, moes: list, placement: ExpertPlacement, device: torch.device, revise_every: int | None = None,
+                 layer_file: LayerFile | None = None):
+        self.placement, self.device, self.layer_file = placement, device, layer_file
         w13, w2 = moes[0].w13, moes[0].w2
         self.pool = ExpertPool(placement.offloaded, w13.shape[1:], w2.shape[1:], w13.dtype, device)
         self.layers = []
-        for moe in moes:
-            moe.offload = LayerExperts(moe, placement.resident, self.pool, device, revise_every)
+        for i, moe in enumerate(moes):
+            moe.offload = LayerExperts(moe, placement, self.pool, device, revise_every or REVISE_EVERY, layer_file,
+                                       i * placement.num_experts)
             self.layers.append(moe.offload)
 
     @classmethod
@@ -135,14 +179,24 @@ class ExpertOffload:
         if moes[0].quantized is not None:
             raise NotImplementedError("cpu_offload_gb does not stream experts kept quantized yet (quantization='gguf' "
                                       "on CPU): every weight is in host memory already")
-        if config.disk_offload_gb:
-            raise NotImplementedError("disk_offload_gb is not supported yet for mixture-of-experts models: their "
-                                      "experts stream from host memory (cpu_offload_gb)")
         w13, w2 = moes[0].w13, moes[0].w2
         expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-        placement = ExpertPlacement.plan(len(moes), w13.shape[0], expert_bytes, int(config.cpu_offload_gb * (1 << 30)))
-        logger.debug(f"experts (cpu_offload_gb={config.cpu_offload_gb:g}):\n{placement.table()}")
-        return cls(moes, placement, device)
+        placement = ExpertPlacement.plan(len(moes), w13.shape[0], expert_bytes, int(config.cpu_offload_gb * (1 << 30)),
+                                         int(config.disk_offload_gb * (1 << 30)))
+        in_host = (placement.num_experts - placement.disk) * placement.num_layers  # the resident ones' masters too
+        require_host_memory(in_host * expert_bytes, f"cpu_offload_gb={config.cpu_offload_gb:g}")
+        layer_file = None
+        if placement.disk:
+            folder = config.offload_folder or str(cache_dir("offload"))
+            require_disk_space(placement.disk * placement.num_layers * expert_bytes, folder,
+                               f"disk_offload_gb={config.disk_offload_gb:g}")
+            layer_file = LayerFile(folder)
+            if device.type == "cuda":
+                log_once("experts on disk are read by positional reads through a pinned staging buffer (kvikio "
+                         "serves decoder layers, not experts yet)")
+        logger.debug(f"experts (cpu_offload_gb={config.cpu_offload_gb:g}, disk_offload_gb={config.disk_offload_gb:g})"
+                     f":\n{placement.table()}")
+        return cls(moes, placement, device, layer_file=layer_file)
 
     def module_ids(self) -> set[int]:
         """Modules whose weights change place each step: none (the experts' pool is read by the MoE kernels)."""
@@ -150,7 +204,8 @@ class ExpertOffload:
 
     def describe(self, device: torch.device) -> str:
         p = self.placement
-        return (f"{p.resident} of {p.num_experts} experts a layer on {device}, {p.offloaded} in host memory "
+        disk = f", {p.disk} on disk" if p.disk else ""
+        return (f"{p.resident} of {p.num_experts} experts a layer on {device}, {p.host} in host memory{disk} "
                 f"(loaded into a pool of {p.offloaded} when routed)")
 
     @property
