@@ -1,3 +1,5 @@
+import shutil
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -54,3 +56,36 @@ def random_tensor(type_name: str, rows: int, cols: int, rng: np.random.Generator
             scales = rng.normal(0, 0.01, size=blocks.shape[0]).astype(np.float16)
             blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
     return raw
+
+
+def save_tiny_hf(model_class, config, path, tokenizer_dir: str, spread_norms: bool = False) -> str:
+    """A random HF model of config, saved with the tiny tokenizer. HF's init leaves routers near zero (and a hybrid's
+    zero-centered norms, decay and dt at their defaults): spread them, so that each one matters."""
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0, 0.5)
+            elif spread_norms and name.endswith(("norm.weight", "dt_bias", "A_log")):
+                param.normal_(0, 0.2)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tokenizer_dir}/{name}", path / name)
+    return str(path)
+
+
+def assert_greedy_matches_hf(llm, hf, prompts: list[list[int]], max_tokens: int, tol: float = 1e-4) -> list:
+    """The engine's greedy tokens of each prompt are HF's, and each token's logprob within tol of HF's. Returns the
+    engine's outputs."""
+    from nanovllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens, logprobs=1)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        tokens, step_logprobs = hf_greedy(hf, prompt, max_tokens)
+        assert out.outputs[0].token_ids == tokens
+        for entry, ref, token in zip(out.outputs[0].logprobs, step_logprobs, tokens):
+            assert abs(entry[token].logprob - ref[token].item()) < tol
+    return outputs
+

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import hf_greedy
+from helpers import assert_greedy_matches_hf, hf_greedy, save_tiny_hf
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -27,17 +27,7 @@ def write_hf_moe(tmp_path, tokenizer_dir, vocab_size: int = 512, **moe) -> str:
                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                             max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=False,
                             bos_token_id=1, eos_token_id=2, **moe)
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():  # HF's init leaves the router near zero: spread it, so the top-k choice matters
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.normal_(0, 0.5)
-    path = tmp_path / "moe"
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{name}", path / name)
-    return str(path)
+    return save_tiny_hf(Qwen3MoeForCausalLM, config, tmp_path / "moe", tokenizer_dir)
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -47,13 +37,7 @@ def test_greedy_and_logprobs_match_hf(tmp_path, tiny_model_dir, name):
     llm = LLM(path, device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
     assert llm.llm_engine.model_runner.plan.graphs_off == "not on CUDA"
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 37, 80)]
-    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16, logprobs=1)
-    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
-        tokens, step_logprobs = hf_greedy(hf, prompt, 16)
-        assert out.outputs[0].token_ids == tokens
-        for entry, ref, token in zip(out.outputs[0].logprobs, step_logprobs, tokens):
-            assert abs(entry[token].logprob - ref[token].item()) < 1e-4
+    assert_greedy_matches_hf(llm, hf, [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 37, 80)], 16)
 
 
 def test_stacked_expert_tensors_load_as_per_expert_ones(tmp_path, tiny_model_dir):

@@ -2,11 +2,10 @@
 in fp32 on CPU, on tiny random configs that cover what the real config uses: layer_types alternation, grouped value
 heads, partial rotary, q/k norms, top-k experts with and without renormalisation, a dense layer. Then the state
 slots under the engine's bookkeeping: chunked prefill, preemption (recompute), n > 1, aborts, async scheduling."""
-import shutil
 
 import pytest
 import torch
-from helpers import hf_greedy, hf_prompt_logprobs
+from helpers import assert_greedy_matches_hf, hf_greedy, hf_prompt_logprobs, save_tiny_hf
 from transformers import Qwen3NextConfig
 from transformers import Qwen3NextForCausalLM as HFQwen3Next
 
@@ -29,19 +28,7 @@ def write_hf_next(tmp_path, tokenizer_dir, **overrides) -> str:
         linear_value_head_dim=8, linear_conv_kernel_dim=4, decoder_sparse_step=1, max_position_embeddings=1024,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **overrides)
-    torch.manual_seed(0)
-    model = HFQwen3Next(config).eval()
-    with torch.no_grad():  # HF's init leaves routers and norms at zero / one: spread them, so each one matters
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.normal_(0, 0.5)
-            elif name.endswith("norm.weight") or name.endswith(("dt_bias", "A_log")):
-                param.normal_(0, 0.2)
-    path = tmp_path / "next"
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{name}", path / name)
-    return str(path)
+    return save_tiny_hf(HFQwen3Next, config, tmp_path / "next", tokenizer_dir, spread_norms=True)
 
 
 @pytest.fixture(scope="module")
@@ -136,19 +123,7 @@ def _write_hf_qwen3_5(tmp_path, tokenizer_dir, moe: bool) -> str:
         model_class = Qwen3_5MoeForCausalLM
     else:
         config, model_class = Qwen3_5TextConfig(intermediate_size=96, **common), Qwen3_5ForCausalLM
-    torch.manual_seed(0)
-    model = model_class(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
-                param.normal_(0, 0.5)
-            elif name.endswith("norm.weight") or name.endswith(("dt_bias", "A_log")):
-                param.normal_(0, 0.2)
-    path = tmp_path / "qwen3_5"
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tokenizer_dir}/{name}", path / name)
-    return str(path), model_class
+    return save_tiny_hf(model_class, config, tmp_path / "qwen3_5", tokenizer_dir, spread_norms=True), model_class
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
@@ -157,13 +132,7 @@ def test_qwen3_5_matches_hf(tmp_path, tiny_model_dir, moe):
     path, model_class = _write_hf_qwen3_5(tmp_path, tiny_model_dir("tiny-qwen3"), moe)
     hf = model_class.from_pretrained(path, dtype=torch.float32).eval()
     llm = LLM(path, device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
-    prompts = _prompts((6, 41), seed=4)
-    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=1)
-    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
-        tokens, step_logprobs = hf_greedy(hf, prompt, 12)
-        assert out.outputs[0].token_ids == tokens
-        for entry, ref, token in zip(out.outputs[0].logprobs, step_logprobs, tokens):
-            assert abs(entry[token].logprob - ref[token].item()) < 1e-4
+    assert_greedy_matches_hf(llm, hf, _prompts((6, 41), seed=4), 12)
 
 
 def test_a_vision_language_checkpoint_runs_its_language_model(tmp_path, tiny_model_dir):

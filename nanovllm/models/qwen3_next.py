@@ -30,7 +30,7 @@ from nanovllm.layers.linear_attention import (
     gated_delta_rule_step,
 )
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
-from nanovllm.models.llama import LlamaMLP
+from nanovllm.models.llama import LlamaMLP, LlamaModel
 from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 from nanovllm.rope_scaling import rope_parameters
 
@@ -208,21 +208,15 @@ class Qwen3NextDecoderLayer(nn.Module):
         return self.mlp.after_norm(self.post_attention_layernorm, hidden, residual)
 
 
-class Qwen3NextModel(nn.Module):
+class Qwen3NextModel(LlamaModel):
+    """Llama's embedding, layer loop and final norm over hybrid layers."""
+
     def __init__(self, config, make_mlp, linear_attention):
-        super().__init__()
+        nn.Module.__init__(self)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, kind, make_mlp(i), linear_attention)
                                     for i, kind in enumerate(layer_types(config)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids, positions, meta, inputs_embeds=None):
-        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 def layer_types(config) -> list[str]:
