@@ -124,10 +124,11 @@ class Config:
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256),
                  f"block_size must be a power of two from 1 to 256, got {self.block_size}")
         self._check_tensor_parallel(hf_config)
-        _require(self.kv_offloading_size is None or "linear_attention" not in (getattr(hf_config, "layer_types", None)
-                                                                                or []),
-                 f"kv_offloading_size is not supported yet for a model with linear-attention layers "
-                 f"({hf_config.architectures[0]}): leave it None")
+        _require(self.preemption_mode != "swap" or "linear_attention" not in (getattr(hf_config, "layer_types", None)
+                                                                               or []),
+                 f"preemption_mode='swap' is not supported for a model with linear-attention layers "
+                 f"({hf_config.architectures[0]}): their state is not kept while a sequence is swapped out; use "
+                 "'recompute' or None")
         self._check_data_parallel()
         max_model_len = self._resolve_max_model_len(hf_config)
         self.model_config = ModelConfig(os.fspath(self.model), fmt, hf_config, dtype, max_model_len,

@@ -102,9 +102,22 @@ def test_the_synthetic_shape_and_dummy_weights_load(tiny_model_dir, shape):
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 10)[0]
 
 
-def test_kv_offloading_is_refused_for_linear_attention(next_model):
-    with pytest.raises(ValueError, match="linear-attention layers"):
-        LLM(next_model, device="cpu", max_model_len=256, kv_offloading_size=0.01)
+def test_kv_offloaded_past_the_device_and_swap_refused(next_model):
+    """KV in host memory for the attention layers (a sequence longer than the device's blocks attends to its
+    offloaded ones) while the linear-attention layers keep their slots: the tokens of ample memory; preemption
+    recomputes (a swap would lose the state), and asking for swaps is an error that says so."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts((70, 23, 51, 9, 64), seed=2)]
+    params = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+    roomy = LLM(next_model, device="cpu", max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(next_model, device="cpu", max_model_len=128, num_gpu_blocks_override=3, block_size=16,
+                kv_offloading_size=0.01, max_num_batched_tokens=32, max_num_seqs=4)
+    engine = tight.llm_engine
+    assert engine.model_runner.layer_major is None and engine.model_runner.preemption.mode == "recompute"
+    assert [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)] == want
+    assert engine.block_manager.num_offloaded_blocks > 0
+    with pytest.raises(ValueError, match="preemption_mode='swap'.*linear-attention"):
+        LLM(next_model, device="cpu", max_model_len=128, kv_offloading_size=0.01, preemption_mode="swap")
 
 
 def _write_hf_qwen3_5(tmp_path, tokenizer_dir, moe: bool) -> str:

@@ -71,6 +71,7 @@ def run_case(llm: LLM, requests, rng: random.Random, abort_chance: float):
 @pytest.mark.parametrize("shape,settings", [("tiny-llama", s) for s in ENGINES] + [
     ("tiny-qwen3-next", (12, None, None, True, True, 8, 64)),  # linear attention: state slots, recompute only
     ("tiny-qwen3-next", (20, None, None, False, True, 3, 24)),
+    ("tiny-qwen3-next", (4, 0.001, None, True, True, 8, 32)),  # and KV offloaded past the device
 ], ids=lambda s: s if isinstance(s, str) else f"blocks{s[0]}-pool{s[1]}-{s[2]}-async{s[3]}")
 def test_random_load_finishes_with_the_tokens_of_ample_memory(tiny_model_dir, shape, settings):
     model = tiny_model_dir(shape)

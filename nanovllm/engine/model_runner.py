@@ -54,10 +54,12 @@ class ModelRunner:
         self.kv_cache = kv_cache.allocate_kv_cache(self.model, self.kv_spec, self.plan.kv, config.max_num_seqs,
                                                    self.device)
         tier = kv_cache.make_host_tier(config, self.model, self.attention_layers, self.kv_cache, self.plan.kv,
-                                       plan.fast_kernels, self.streamer is not None) \
+                                       plan.fast_kernels, self.streamer is None and not self.kv_spec.states) \
             if config.kv_offloading_size is not None else None
         self.host_pool, self.layer_major = (tier.pool, tier.layer_major) if tier else (None, None)
-        self.preemption = preemption_policy(config.preemption_mode, self.kv_cache, tier and tier.pool.pool,
+        # a state slot is given back on preemption: such a sequence computes again from its first token
+        mode = "recompute" if self.kv_spec.states else config.preemption_mode
+        self.preemption = preemption_policy(mode, self.kv_cache, tier and tier.pool.pool,
                                             self.hf_config, self.attention_layers[0])
         if self.device.type == "cpu":
             keep_freed_memory()  # after loading: load-time temporaries are returned to the OS as before

@@ -147,7 +147,8 @@ def allocate_kv_cache(model, spec: KVCacheSpec, layout: KVCacheLayout, max_num_s
 @dataclass
 class HostTier:
     """KV in host memory: the pool's blocks, the ring that attends to them, and the layer-major prefill (None where
-    weights stream: they would be fetched again for every chunk of a layer)."""
+    weights stream: they would be fetched again for every chunk of a layer; and where layers keep a state a sequence,
+    which a prompt's chunks would each start from zeros)."""
 
     pool: HostKVPool
     offload_engine: OffloadEngine
@@ -155,7 +156,7 @@ class HostTier:
 
 
 def make_host_tier(config, model, attention_layers: list, kv_cache: torch.Tensor, layout: KVCacheLayout, fast: bool,
-                   streamed: bool) -> HostTier:
+                   layer_major: bool) -> HostTier:
     gib, num_blocks = config.kv_offloading_size, layout.num_host_blocks
     require_host_memory(num_blocks * layout.block_bytes, f"kv_offloading_size={gib:g}")
     if num_blocks < 1:
@@ -165,8 +166,8 @@ def make_host_tier(config, model, attention_layers: list, kv_cache: torch.Tensor
     engine.warm_up(attention_layers[0].num_heads)
     for i, attn in enumerate(attention_layers):
         attn.layer_index, attn.offload_engine = i, engine
-    layer_major = None if streamed else LayerMajorPrefill(model, kv_cache, pool.pool, config.model_config.max_model_len,
-                                                          config.max_num_batched_tokens, fast)
+    layer_major = LayerMajorPrefill(model, kv_cache, pool.pool, config.model_config.max_model_len,
+                                    config.max_num_batched_tokens, fast) if layer_major else None
     logger.debug(f"KV in host memory: {num_blocks} blocks ({gib:g} GiB); offloaded blocks are attended to through "
                  f"{OFFLOAD_SLOTS} slots of {engine.slot_blocks} blocks")
     return HostTier(pool, engine, layer_major)
