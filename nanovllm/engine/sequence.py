@@ -33,6 +33,7 @@ class Sequence:
         self.num_scheduled_tokens = 0  # new tokens in the current step
         self.swapped_blocks: list[int] | None = None  # host pool blocks holding its KV while preempted by swap
         self.host_blocks: list[int] = []  # host pool blocks of its leading KV blocks, offloaded (block_table: -1)
+        self.num_placeholders = 0  # tokens at the end still being sampled on the device
         self.state_slot: int | None = None  # linear-attention layers: its state's slot while it runs
         self.output_logprobs: list[dict[int, Logprob]] = []
         self.prompt_logprobs: list[dict[int, Logprob] | None] = []
@@ -75,7 +76,14 @@ class Sequence:
     def append_placeholder(self):
         """Hold the place of a token still being sampled on the device (a step launched ahead)."""
         self.token_ids.append(PLACEHOLDER_TOKEN)
+        self.num_placeholders += 1
 
     def remove_placeholder(self):
         """Make way for the real token, now read back."""
         self.token_ids.pop()
+        self.num_placeholders -= 1
+
+    @property
+    def sampled_token_ids(self) -> list[int]:
+        """The output tokens read back so far (no placeholder)."""
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_placeholders]

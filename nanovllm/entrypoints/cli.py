@@ -1,8 +1,9 @@
-"""The `nanovllm` command (pyproject's console script): `nanovllm run-batch ...`."""
+"""The `nanovllm` command (pyproject's console script): `nanovllm run-batch ...`, `nanovllm serve MODEL ...`."""
 import argparse
 import sys
 
 from nanovllm.entrypoints import run_batch
+from nanovllm.entrypoints.engine_flags import add_engine_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -11,7 +12,18 @@ def main(argv: list[str] | None = None) -> int:
     run_batch.add_arguments(commands.add_parser("run-batch", help="an OpenAI batch file through one LLM",
                                                 description=run_batch.__doc__,
                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
+    serve = commands.add_parser("serve", help="the OpenAI API over one engine (HTTP)")
+    serve.add_argument("model", help="an HF model directory or a GGUF file")
+    serve.add_argument("--host", default=None, help="default: 127.0.0.1, or 0.0.0.0 with an API key")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' (also NANOVLLM_API_KEY)")
+    serve.add_argument("--served-model-name", default=None, help="the model name the API shows (default: MODEL)")
+    add_engine_arguments(serve)
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        from nanovllm.entrypoints.openai.server import serve as run_server  # FastAPI only where served
+
+        return run_server(args)
     return run_batch.run(args)
 
 

@@ -8,12 +8,10 @@ import argparse
 import json
 import os
 import re
-import typing
-from dataclasses import fields
 
 from tqdm import tqdm
 
-from nanovllm.config import Config, engine_arg_names
+from nanovllm.entrypoints.engine_flags import add_engine_arguments, engine_kwargs
 from nanovllm.entrypoints.openai_batch import CHAT, BadRequest, BatchRequest, error_line, output_line, parse_request
 
 
@@ -25,21 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--served-model-name", default=None, help="the model name in the results (default: --model)")
     parser.add_argument("--chunk-size", type=int, default=1024,
                         help="requests a generate call: a stopped job loses at most one chunk's work")
-    for field in fields(Config):  # every engine argument, --name-with-dashes (None: LLM()'s default)
-        if field.init and field.name != "model":
-            kind = _flag_type(field)
-            parser.add_argument("--" + field.name.replace("_", "-"), default=None, help="as LLM()'s argument",
-                                **({"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}))
+    add_engine_arguments(parser)
     parser.add_argument("--ray", action="store_true", help="serve each chunk on a Ray cluster (ray.init() joins the "
                         "one RAY_ADDRESS names, else starts a local one), one LLM a replica")
     parser.add_argument("--ray-replicas", type=int, default=1, help="with --ray: LLM replicas (a GPU each where the "
                         "cluster has GPUs)")
-
-
-def _flag_type(field) -> type:
-    """bool, int, float or str: the first of those that a Config field's type (a union with None) names."""
-    kinds = typing.get_args(field.type) or (field.type,)
-    return next(kind for kind in (bool, int, float, str) if kind in kinds)
 
 
 def run(args) -> int:
@@ -71,10 +59,6 @@ def run(args) -> int:
     print(f"run-batch: {served} requests served into {args.output_file}, {len(done)} there from before; "
           f"{len(read_written(errors_file, 'line'))} lines not served ({errors_file})")
     return 0
-
-
-def engine_kwargs(args) -> dict:
-    return {name: getattr(args, name) for name in engine_arg_names() if getattr(args, name) is not None}
 
 
 def local_server(args, model: str):

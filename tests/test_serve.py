@@ -1,0 +1,131 @@
+"""`nanovllm serve` (entrypoints/openai/server.py) through the `openai` client on a tiny model: completions and chat,
+streamed and not, the models list, the API key, bad fields, concurrent requests batched together with the tokens
+LLM.generate gives them, and a stream dropped mid-way that frees its blocks."""
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.entrypoints.openai.server import build_app
+
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    llm = LLM(tiny_model_dir("tiny-llama"), device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    app = build_app(llm, "tiny", api_key=KEY)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield llm, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key=KEY, max_retries=0)
+
+
+def _greedy(llm, prompts: list[str], max_tokens: int) -> list[str]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].text for o in outs]
+
+
+def test_completions_streamed_and_not_give_generates_text(server, client):
+    llm, _ = server
+    want = _greedy(llm, ["t5 t9 t12"], 12)[0]
+    got = client.completions.create(model="tiny", prompt="t5 t9 t12", max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert got.choices[0].text == want and got.choices[0].finish_reason == "length"
+    assert got.usage.completion_tokens == 12
+    chunks = list(client.completions.create(model="tiny", prompt="t5 t9 t12", max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_streamed_and_not(server, client):
+    llm, _ = server
+    messages = [{"role": "user", "content": "t7 t8"}]
+    want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                    use_tqdm=False)[0].outputs[0].text
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert got.choices[0].message.content == want and got.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want
+
+
+def test_concurrent_requests_share_batches_with_generates_tokens(server, client):
+    """8 requests at once from 8 threads: the engine runs them in shared steps, each gets LLM.generate's text."""
+    llm, _ = server
+    prompts = [" ".join(f"t{3 + (7 * i + j) % 500}" for j in range(5 + 3 * i)) for i in range(8)]
+    want = _greedy(llm, prompts, 16)
+    runner, batch_sizes = llm.llm_engine.model_runner, []
+    launch = runner.launch
+
+    def counted(seqs, *args, **kwargs):  # the engine loop's steps, seen from the runner
+        batch_sizes.append(len(seqs))
+        return launch(seqs, *args, **kwargs)
+
+    runner.launch = counted
+    got = [None] * len(prompts)
+
+    def ask(i):
+        got[i] = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=16, temperature=0,
+                                           extra_body={"ignore_eos": True}).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    del runner.launch
+    assert got == want
+    assert max(batch_sizes) > 1  # requests ran in shared steps, not one after another
+
+
+def test_models_key_and_errors(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server[1] + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="tiny", prompt="t5", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model="tiny", prompt="t5", best_of=2)
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.completions.create(model="tiny", prompt=" ".join(["t5"] * 300))
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="other", prompt="t5")
+    assert httpx.get(server[1] + "/health").status_code == 200  # no key needed
+
+
+def test_a_dropped_stream_aborts_its_request(server):
+    llm, url = server
+    engine = llm.llm_engine
+    with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "tiny", "prompt": "t5 t6", "max_tokens": 200, "stream": True,
+                            "ignore_eos": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                break  # one chunk in, then the client goes away
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.has_unfinished_requests()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
