@@ -176,12 +176,87 @@ def test_a_vision_language_checkpoint_runs_its_language_model(tmp_path, tiny_mod
 def test_a_gguf_file_of_a_hybrid_names_what_runs_instead(tmp_path):
     import gguf
 
-    path = tmp_path / "next.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen3next")
+    path = tmp_path / "qwen35moe.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen35moe")
     writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"'qwen3next'.*HF safetensors checkpoint \(Qwen3NextForCausalLM\) runs"):
+    with pytest.raises(ValueError, match=r"'qwen35moe'.*HF safetensors checkpoint \(Qwen3_5MoeForCausalLM\) runs"):
         LLM(str(path), device="cpu")
+
+
+def write_qwen3next_gguf(model, path):
+    """A Qwen3-Next checkpoint as llama.cpp's converter writes it (conversion/qwen.py, Qwen3NextModel; checked
+    tensor by tensor against that converter's own output of the same checkpoint on 2026-11-28): q, k, v of the
+    linear attention de-interleaved into attn_qkv and z into attn_gate, ssm_a = -exp(A_log), ssm_dt.bias, the conv1d
+    squeezed, zero-centered norms stored as 1 + w. F32 throughout; no tokenizer (the test passes the HF one)."""
+    import gguf
+
+    c, writer = model.config, gguf.GGUFWriter(str(path), "qwen3next")
+    hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    for name, value in (("block_count", c.num_hidden_layers), ("context_length", c.max_position_embeddings),
+                        ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
+                        ("attention.head_count", c.num_attention_heads), ("attention.head_count_kv", c.num_key_value_heads),
+                        ("attention.key_length", c.head_dim), ("attention.value_length", c.head_dim),
+                        ("expert_count", c.num_experts), ("expert_used_count", c.num_experts_per_tok),
+                        ("expert_feed_forward_length", c.moe_intermediate_size), ("vocab_size", c.vocab_size),
+                        ("expert_shared_feed_forward_length", c.shared_expert_intermediate_size),
+                        ("ssm.conv_kernel", c.linear_conv_kernel_dim), ("ssm.state_size", dk), ("ssm.group_count", hk),
+                        ("ssm.time_step_rank", hv), ("ssm.inner_size", hv * dv), ("full_attention_interval", 4),
+                        ("rope.dimension_count", int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))):
+        writer.add_uint32(f"qwen3next.{name}", value)
+    writer.add_float32("qwen3next.rope.freq_base", c.rope_parameters["rope_theta"])
+    writer.add_float32("qwen3next.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    writer.add_array("qwen3next.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "linear_attn.in_proj_ba": "ssm_ba", "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out",
+             "linear_attn.conv1d": "ssm_conv1d", "mlp.gate": "ffn_gate_inp",
+             "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+             "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+    for name, t in model.state_dict().items():
+        t = t.float()
+        if name.endswith("norm.weight") and ".linear_attn." not in name:
+            t = t + 1
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            writer.add_tensor({"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                               "lm_head.weight": "output.weight"}[name], t.numpy())
+            continue
+        layer, rest = name.removeprefix("model.layers.").split(".", 1)
+        blk, base = f"blk.{layer}.", rest.removesuffix(".weight")
+        if rest == "linear_attn.A_log":
+            writer.add_tensor(blk + "ssm_a", (-t.exp()).numpy())
+        elif rest == "linear_attn.dt_bias":
+            writer.add_tensor(blk + "ssm_dt.bias", t.numpy())
+        elif rest == "linear_attn.in_proj_qkvz.weight":  # per key head [q, k, v, z] -> [q..., k..., v...], [z...]
+            q, k, v, z = t.view(hk, -1, t.shape[1]).split([dk, dk, hv // hk * dv, hv // hk * dv], 1)
+            writer.add_tensor(blk + "attn_qkv.weight", torch.cat([x.reshape(-1, t.shape[1]) for x in (q, k, v)]).numpy())
+            writer.add_tensor(blk + "attn_gate.weight", z.reshape(-1, t.shape[1]).contiguous().numpy())
+        elif rest == "mlp.experts.gate_up_proj":
+            gate, up = t.chunk(2, dim=1)
+            writer.add_tensor(blk + "ffn_gate_exps.weight", gate.contiguous().numpy())
+            writer.add_tensor(blk + "ffn_up_exps.weight", up.contiguous().numpy())
+        elif rest == "mlp.experts.down_proj":
+            writer.add_tensor(blk + "ffn_down_exps.weight", t.contiguous().numpy())
+        else:
+            writer.add_tensor(blk + names[base] + ".weight", (t.squeeze(1) if "conv1d" in rest else t).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_qwen3next_gguf_file_gives_the_checkpoint_tokens(tmp_path, tiny_model_dir):
+    """The checkpoint as llama.cpp converts it to GGUF (qwen3next: every layer's MLP sparse, as llama.cpp requires):
+    it loads as Qwen3.5's layout, with the HF checkpoint's greedy tokens and logprobs."""
+    path = write_hf_next(tmp_path, tiny_model_dir("tiny-qwen3"), **{**CONFIGS["top2-renormalized-dense-layer"],
+                                                                    "mlp_only_layers": []})
+    hf = HFQwen3Next.from_pretrained(path, dtype=torch.float32).eval()
+    gguf_path = tmp_path / "next.gguf"
+    write_qwen3next_gguf(hf, gguf_path)
+    llm = LLM(str(gguf_path), tokenizer=path, device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    assert type(llm.llm_engine.model_runner.model).__name__ == "Qwen3_5ForCausalLM"
+    assert_greedy_matches_hf(llm, hf, _prompts((7, 45), seed=6), 10)

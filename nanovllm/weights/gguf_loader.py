@@ -12,6 +12,7 @@ from nanovllm.logger import log_once
 from nanovllm.models.registry import GGUF_ARCHITECTURES, GGUF_NOT_YET
 from nanovllm.quant import gguf_formats
 from nanovllm.quant.gguf_weight import GGUFWeight
+from nanovllm.weights import gguf_hybrid
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -28,7 +29,7 @@ _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
                    "TQ1_0", "TQ2_0", "MXFP4"}
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")
 
 
 @lru_cache(maxsize=2)
@@ -68,7 +69,8 @@ def gguf_hf_config(path: str):
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}{hf}; "
                          f"GGUF architectures supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
     hf_arch = GGUF_ARCHITECTURES[arch]
-    cls = getattr(transformers, hf_arch.replace("ForCausalLM", "Config"))
+    cls = transformers.Qwen3NextConfig if arch == "qwen3next" else getattr(transformers, hf_arch.replace("ForCausalLM",
+                                                                                                          "Config"))
     key = lambda name, default=None: _field(reader, f"{arch}.{name}", default)  # noqa: E731
     heads = key("attention.head_count")
     hidden = key("embedding_length")
@@ -89,6 +91,8 @@ def gguf_hf_config(path: str):
                       moe_intermediate_size=key("expert_feed_forward_length"), norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[i for i in range(key("block_count"))
                                                               if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names])
+    if arch == "qwen3next":
+        kwargs.update(gguf_hybrid.config_kwargs(key, key("block_count")))
     scaling = key("rope.scaling.type")
     if scaling not in (None, "none"):
         kwargs["rope_scaling"] = {"rope_type": scaling, "factor": key("rope.scaling.factor"),
@@ -106,12 +110,19 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, hybrid: bool = False) -> str | None:
+    """hybrid: a qwen3next file (weights/gguf_hybrid.py names its linear attention and shared expert)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     m = _LAYER_RE.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m is None:
+        return None
+    layer, piece, suffix = m.groups()
+    names = {**_LAYER_NAMES, **gguf_hybrid.LAYER_NAMES} if hybrid else _LAYER_NAMES
+    if hybrid and (parameter := gguf_hybrid.PARAMETERS.get(piece + (f".{suffix}" if suffix else ""))):
+        return f"model.layers.{layer}.{parameter}"
+    if piece in names and suffix:
+        return f"model.layers.{layer}.{names[piece]}.{suffix}"
     return None
 
 
@@ -147,10 +158,11 @@ def iterate_gguf(path: str, hf_config, keep_quantized: bool = False) -> Iterator
     """Yield (HF name, tensor): quantized weights as their blocks (GGUFWeight) when keep_quantized, everything else
     dequantized to fp32; Q/K un-permuted for llama-family files."""
     reader = open_gguf(path)
-    permuted = _field(reader, "general.architecture") == "llama"
+    arch = _field(reader, "general.architecture")
+    permuted, hybrid = arch == "llama", arch == "qwen3next"
     with open(path, "rb") as file:
         for t in reader.tensors:
-            name = _hf_name(t.name)
+            name = _hf_name(t.name, hybrid)
             if name is None:
                 if t.name == "rope_freqs.weight":
                     continue
@@ -160,4 +172,7 @@ def iterate_gguf(path: str, hf_config, keep_quantized: bool = False) -> Iterator
                 heads = hf_config.num_attention_heads if "q_proj" in name else hf_config.num_key_value_heads
                 unpermute = lambda rows: _unpermute_qk(rows, heads)  # noqa: E731
                 tensor = tensor.map_rows(unpermute) if isinstance(tensor, GGUFWeight) else unpermute(tensor)
-            yield name, tensor
+            if hybrid:
+                yield from gguf_hybrid.hf_tensors(name, tensor, hf_config)
+            else:
+                yield name, tensor
