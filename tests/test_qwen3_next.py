@@ -173,50 +173,54 @@ def test_a_vision_language_checkpoint_runs_its_language_model(tmp_path, tiny_mod
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
 
 
-def test_a_gguf_file_of_a_hybrid_names_what_runs_instead(tmp_path):
+def _tiled(t: torch.Tensor, dim: int, hk: int, per_k: int, head_dim: int) -> torch.Tensor:
+    """Value heads from grouped by key head to tiled, as llama.cpp's converter stores Qwen3.5's."""
+    shape = list(t.shape)
+    return t.reshape(*shape[:dim], hk, per_k, head_dim, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
+
+
+def write_hybrid_gguf(model, path):
+    """A Qwen3-Next or Qwen3.5 checkpoint as llama.cpp's converter writes it (conversion/qwen.py: Qwen3NextModel,
+    Qwen3_5TextModel, Qwen3_5MoeTextModel; checked tensor by tensor against that converter's own output of the same
+    checkpoints on 2026-11-28): Qwen3-Next's q, k, v de-interleaved into attn_qkv and z into attn_gate, Qwen3.5's
+    value heads tiled, ssm_a = -exp(A_log), ssm_dt.bias, the conv1d squeezed, zero-centered norms stored as 1 + w.
+    F32 throughout; no tokenizer (the test passes the HF one)."""
     import gguf
 
-    path = tmp_path / "qwen35moe.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen35moe")
-    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match=r"'qwen35moe'.*HF safetensors checkpoint \(Qwen3_5MoeForCausalLM\) runs"):
-        LLM(str(path), device="cpu")
-
-
-def write_qwen3next_gguf(model, path):
-    """A Qwen3-Next checkpoint as llama.cpp's converter writes it (conversion/qwen.py, Qwen3NextModel; checked
-    tensor by tensor against that converter's own output of the same checkpoint on 2026-11-28): q, k, v of the
-    linear attention de-interleaved into attn_qkv and z into attn_gate, ssm_a = -exp(A_log), ssm_dt.bias, the conv1d
-    squeezed, zero-centered norms stored as 1 + w. F32 throughout; no tokenizer (the test passes the HF one)."""
-    import gguf
-
-    c, writer = model.config, gguf.GGUFWriter(str(path), "qwen3next")
+    c = model.config
+    next_ = c.model_type == "qwen3_next"
+    moe = getattr(c, "num_experts", 0) > 0
+    arch = "qwen3next" if next_ else "qwen35moe" if moe else "qwen35"
+    writer = gguf.GGUFWriter(str(path), arch)
     hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-    for name, value in (("block_count", c.num_hidden_layers), ("context_length", c.max_position_embeddings),
-                        ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
-                        ("attention.head_count", c.num_attention_heads), ("attention.head_count_kv", c.num_key_value_heads),
-                        ("attention.key_length", c.head_dim), ("attention.value_length", c.head_dim),
-                        ("expert_count", c.num_experts), ("expert_used_count", c.num_experts_per_tok),
-                        ("expert_feed_forward_length", c.moe_intermediate_size), ("vocab_size", c.vocab_size),
-                        ("expert_shared_feed_forward_length", c.shared_expert_intermediate_size),
-                        ("ssm.conv_kernel", c.linear_conv_kernel_dim), ("ssm.state_size", dk), ("ssm.group_count", hk),
-                        ("ssm.time_step_rank", hv), ("ssm.inner_size", hv * dv), ("full_attention_interval", 4),
-                        ("rope.dimension_count", int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))):
-        writer.add_uint32(f"qwen3next.{name}", value)
-    writer.add_float32("qwen3next.rope.freq_base", c.rope_parameters["rope_theta"])
-    writer.add_float32("qwen3next.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
-    writer.add_array("qwen3next.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
+    meta = {"block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
+            "embedding_length": c.hidden_size, "attention.head_count": c.num_attention_heads,
+            "attention.head_count_kv": c.num_key_value_heads, "attention.key_length": c.head_dim,
+            "attention.value_length": c.head_dim, "vocab_size": c.vocab_size, "ssm.conv_kernel": c.linear_conv_kernel_dim,
+            "ssm.state_size": dk, "ssm.group_count": hk, "ssm.time_step_rank": hv, "ssm.inner_size": hv * dv,
+            "full_attention_interval": 4,
+            "rope.dimension_count": int(c.head_dim * c.rope_parameters["partial_rotary_factor"])}
+    if moe:
+        meta.update({"expert_count": c.num_experts, "expert_used_count": c.num_experts_per_tok,
+                     "expert_feed_forward_length": c.moe_intermediate_size,
+                     "expert_shared_feed_forward_length": c.shared_expert_intermediate_size})
+    if not moe or next_:
+        meta["feed_forward_length"] = c.intermediate_size
+    for name, value in meta.items():
+        writer.add_uint32(f"{arch}.{name}", value)
+    writer.add_float32(f"{arch}.rope.freq_base", c.rope_parameters["rope_theta"])
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", c.rms_norm_eps)
+    writer.add_array(f"{arch}.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "linear_attn.in_proj_ba": "ssm_ba", "linear_attn.norm": "ssm_norm", "linear_attn.out_proj": "ssm_out",
-             "linear_attn.conv1d": "ssm_conv1d", "mlp.gate": "ffn_gate_inp",
+             "linear_attn.in_proj_ba": "ssm_ba", "linear_attn.in_proj_b": "ssm_beta", "linear_attn.in_proj_a": "ssm_alpha",
+             "linear_attn.in_proj_qkv": "attn_qkv", "linear_attn.in_proj_z": "attn_gate", "linear_attn.norm": "ssm_norm",
+             "linear_attn.out_proj": "ssm_out", "linear_attn.conv1d": "ssm_conv1d", "mlp.gate": "ffn_gate_inp",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
              "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
              "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+    per_k, qk = hv // hk, 2 * hk * dk
     for name, t in model.state_dict().items():
         t = t.float()
         if name.endswith("norm.weight") and ".linear_attn." not in name:
@@ -227,12 +231,21 @@ def write_qwen3next_gguf(model, path):
             continue
         layer, rest = name.removeprefix("model.layers.").split(".", 1)
         blk, base = f"blk.{layer}.", rest.removesuffix(".weight")
+        if not next_ and rest.startswith("linear_attn."):  # Qwen3.5: value heads tiled
+            if base in ("linear_attn.in_proj_qkv", "linear_attn.conv1d"):
+                t = torch.cat([t[:qk], _tiled(t[qk:], 0, hk, per_k, dv)])
+            elif base == "linear_attn.in_proj_z":
+                t = _tiled(t, 0, hk, per_k, dv)
+            elif base in ("linear_attn.in_proj_a", "linear_attn.in_proj_b", "linear_attn.A_log", "linear_attn.dt_bias"):
+                t = _tiled(t, 0, hk, per_k, 1)
+            elif base == "linear_attn.out_proj":
+                t = _tiled(t, 1, hk, per_k, dv)
         if rest == "linear_attn.A_log":
             writer.add_tensor(blk + "ssm_a", (-t.exp()).numpy())
         elif rest == "linear_attn.dt_bias":
             writer.add_tensor(blk + "ssm_dt.bias", t.numpy())
         elif rest == "linear_attn.in_proj_qkvz.weight":  # per key head [q, k, v, z] -> [q..., k..., v...], [z...]
-            q, k, v, z = t.view(hk, -1, t.shape[1]).split([dk, dk, hv // hk * dv, hv // hk * dv], 1)
+            q, k, v, z = t.view(hk, -1, t.shape[1]).split([dk, dk, per_k * dv, per_k * dv], 1)
             writer.add_tensor(blk + "attn_qkv.weight", torch.cat([x.reshape(-1, t.shape[1]) for x in (q, k, v)]).numpy())
             writer.add_tensor(blk + "attn_gate.weight", z.reshape(-1, t.shape[1]).contiguous().numpy())
         elif rest == "mlp.experts.gate_up_proj":
@@ -249,14 +262,20 @@ def write_qwen3next_gguf(model, path):
     writer.close()
 
 
-def test_a_qwen3next_gguf_file_gives_the_checkpoint_tokens(tmp_path, tiny_model_dir):
-    """The checkpoint as llama.cpp converts it to GGUF (qwen3next: every layer's MLP sparse, as llama.cpp requires):
-    it loads as Qwen3.5's layout, with the HF checkpoint's greedy tokens and logprobs."""
-    path = write_hf_next(tmp_path, tiny_model_dir("tiny-qwen3"), **{**CONFIGS["top2-renormalized-dense-layer"],
-                                                                    "mlp_only_layers": []})
-    hf = HFQwen3Next.from_pretrained(path, dtype=torch.float32).eval()
-    gguf_path = tmp_path / "next.gguf"
-    write_qwen3next_gguf(hf, gguf_path)
+@pytest.mark.parametrize("family", ["qwen3next", "qwen35", "qwen35moe"])
+def test_a_hybrid_gguf_file_gives_the_checkpoint_tokens(tmp_path, tiny_model_dir, family):
+    """The checkpoint as llama.cpp converts it to GGUF (Qwen3-Next with every MLP sparse, as llama.cpp requires;
+    Qwen3.5 dense and MoE, value heads tiled): it loads as Qwen3.5's layout, with the checkpoint's greedy tokens and
+    logprobs."""
+    if family == "qwen3next":
+        path = write_hf_next(tmp_path, tiny_model_dir("tiny-qwen3"), **{**CONFIGS["top2-renormalized-dense-layer"],
+                                                                        "mlp_only_layers": []})
+        hf = HFQwen3Next.from_pretrained(path, dtype=torch.float32).eval()
+    else:
+        path, model_class = _write_hf_qwen3_5(tmp_path, tiny_model_dir("tiny-qwen3"), moe=family == "qwen35moe")
+        hf = model_class.from_pretrained(path, dtype=torch.float32).eval()
+    gguf_path = tmp_path / f"{family}.gguf"
+    write_hybrid_gguf(hf, gguf_path)
     llm = LLM(str(gguf_path), tokenizer=path, device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
     assert type(llm.llm_engine.model_runner.model).__name__ == "Qwen3_5ForCausalLM"
     assert_greedy_matches_hf(llm, hf, _prompts((7, 45), seed=6), 10)

@@ -17,9 +17,9 @@ TEXT_ONLY = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
 # GGUF `general.architecture` -> HF architecture
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "qwen3moe": "Qwen3MoeForCausalLM",
-                      "qwen3next": "Qwen3_5MoeForCausalLM"}  # weights/gguf_hybrid.py: its layout is Qwen3.5's
-# GGUF architectures whose HF checkpoints run, not yet their GGUF files (llama.cpp converts their tensors)
-GGUF_NOT_YET = {"qwen35": "Qwen3_5ForCausalLM", "qwen35moe": "Qwen3_5MoeForCausalLM"}
+                      # weights/gguf_hybrid.py: all three in Qwen3.5's layout
+                      "qwen3next": "Qwen3_5MoeForCausalLM", "qwen35": "Qwen3_5MoeForCausalLM",
+                      "qwen35moe": "Qwen3_5MoeForCausalLM"}
 
 
 def supported_architectures() -> list[str]:

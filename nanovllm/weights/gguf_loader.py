@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from nanovllm.logger import log_once
-from nanovllm.models.registry import GGUF_ARCHITECTURES, GGUF_NOT_YET
+from nanovllm.models.registry import GGUF_ARCHITECTURES
 from nanovllm.quant import gguf_formats
 from nanovllm.quant.gguf_weight import GGUFWeight
 from nanovllm.weights import gguf_hybrid
@@ -65,12 +65,11 @@ def gguf_hf_config(path: str):
     reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        hf = f"; its HF safetensors checkpoint ({GGUF_NOT_YET[arch]}) runs" if arch in GGUF_NOT_YET else ""
-        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}{hf}; "
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {path}; "
                          f"GGUF architectures supported: {', '.join(sorted(GGUF_ARCHITECTURES))}")
     hf_arch = GGUF_ARCHITECTURES[arch]
-    cls = transformers.Qwen3NextConfig if arch == "qwen3next" else getattr(transformers, hf_arch.replace("ForCausalLM",
-                                                                                                          "Config"))
+    hybrid = arch in gguf_hybrid.ARCHITECTURES
+    cls = transformers.Qwen3NextConfig if hybrid else getattr(transformers, hf_arch.replace("ForCausalLM", "Config"))
     key = lambda name, default=None: _field(reader, f"{arch}.{name}", default)  # noqa: E731
     heads = key("attention.head_count")
     hidden = key("embedding_length")
@@ -91,7 +90,7 @@ def gguf_hf_config(path: str):
                       moe_intermediate_size=key("expert_feed_forward_length"), norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[i for i in range(key("block_count"))
                                                               if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names])
-    if arch == "qwen3next":
+    if hybrid:
         kwargs.update(gguf_hybrid.config_kwargs(key, key("block_count")))
     scaling = key("rope.scaling.type")
     if scaling not in (None, "none"):
@@ -159,7 +158,7 @@ def iterate_gguf(path: str, hf_config, keep_quantized: bool = False) -> Iterator
     dequantized to fp32; Q/K un-permuted for llama-family files."""
     reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
-    permuted, hybrid = arch == "llama", arch == "qwen3next"
+    permuted, hybrid = arch == "llama", arch in gguf_hybrid.ARCHITECTURES
     with open(path, "rb") as file:
         for t in reader.tensors:
             name = _hf_name(t.name, hybrid)
@@ -173,6 +172,6 @@ def iterate_gguf(path: str, hf_config, keep_quantized: bool = False) -> Iterator
                 unpermute = lambda rows: _unpermute_qk(rows, heads)  # noqa: E731
                 tensor = tensor.map_rows(unpermute) if isinstance(tensor, GGUFWeight) else unpermute(tensor)
             if hybrid:
-                yield from gguf_hybrid.hf_tensors(name, tensor, hf_config)
+                yield from gguf_hybrid.hf_tensors(name, tensor, hf_config, tiled=arch != "qwen3next")
             else:
                 yield name, tensor
