@@ -1,6 +1,7 @@
 """`nanovllm serve` (entrypoints/openai/server.py) through the `openai` client on a tiny model: completions and chat,
 streamed and not, the models list, the API key, bad fields, concurrent requests batched together with the tokens
 LLM.generate gives them, and a stream dropped mid-way that frees its blocks."""
+import json
 import socket
 import threading
 import time
@@ -129,3 +130,37 @@ def test_a_dropped_stream_aborts_its_request(server):
     assert not engine.has_unfinished_requests()
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def _ollama(url: str, route: str, body: dict, stream: bool = False):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    if not stream:
+        return httpx.post(url + route, json={**body, "stream": False}, headers=headers, timeout=60)
+    with httpx.stream("POST", url + route, json=body, headers=headers, timeout=60) as response:
+        return response.status_code, [json.loads(line) for line in response.iter_lines() if line]
+
+
+def test_ollama_generate_and_chat_streamed_and_not(server):
+    """Ollama's routes: NDJSON lines whose text adds up to generate's, a final line with the counts; one JSON object
+    with stream false; options as SamplingParams; tags and show; errors as {"error"}."""
+    llm, url = server
+    options = {"num_predict": 12, "temperature": 0}
+    want = llm.generate("t5 t9 t12", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+    whole = _ollama(url, "/api/generate", {"model": "tiny", "prompt": "t5 t9 t12", "options": options}).json()
+    assert whole["response"] == want.text and whole["done"] and whole["eval_count"] == len(want.token_ids)
+    status, lines = _ollama(url, "/api/generate", {"model": "tiny", "prompt": "t5 t9 t12", "options": options},
+                            stream=True)
+    assert status == 200 and lines[-1]["done"] and not any(line["done"] for line in lines[:-1])
+    assert "".join(line["response"] for line in lines) == want.text
+    assert lines[-1]["done_reason"] == ("length" if want.finish_reason == "length" else "stop")
+    messages = [{"role": "user", "content": "t7 t8"}]
+    chat_want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
+    status, lines = _ollama(url, "/api/chat", {"model": "tiny", "messages": messages, "options": options}, stream=True)
+    assert "".join(line["message"]["content"] for line in lines) == chat_want
+    assert [m["name"] for m in httpx.get(url + "/api/tags", headers={"Authorization": f"Bearer {KEY}"}).json()["models"]] \
+        == ["tiny"]
+    assert _ollama(url, "/api/show", {"model": "tiny"}).json()["model_info"]["context_length"] == 256
+    bad = _ollama(url, "/api/generate", {"model": "tiny", "prompt": "t5", "options": {"mirostat": 1}})
+    assert bad.status_code == 400 and "mirostat" in bad.json()["error"]
+    assert _ollama(url, "/api/generate", {"model": "other", "prompt": "t5"}).status_code == 404
+    assert httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "t5"}).status_code == 401

@@ -1,9 +1,10 @@
-"""`nanovllm serve MODEL` (vLLM's `vllm serve`): the OpenAI API over one engine, on FastAPI + uvicorn.
+"""`nanovllm serve MODEL` (vLLM's `vllm serve`): the OpenAI API over one engine, on FastAPI + uvicorn, and Ollama's
+beside it (entrypoints/ollama.py).
 
 Routes: /v1/completions and /v1/chat/completions (`stream` as server-sent events, `stream_options.include_usage`),
 /v1/models, /health. Every request joins the engine's running batches through one engine loop
 (entrypoints/openai/engine_loop.py); a client that goes away mid-stream aborts its request. With --api-key (or
-NANOVLLM_API_KEY) every /v1 route needs `Authorization: Bearer KEY`; without one the server binds 127.0.0.1 unless
+NANOVLLM_API_KEY) every /v1 and /api route needs `Authorization: Bearer KEY`; without one the server binds 127.0.0.1 unless
 --host says otherwise. Errors are OpenAI's JSON: {"error": {"message", "type", "param", "code"}}."""
 import contextlib
 import hmac
@@ -17,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from nanovllm.entrypoints.ollama import add_ollama_routes
 from nanovllm.entrypoints.openai.engine_loop import EngineLoop, Progress
 from nanovllm.entrypoints.openai_batch import SAMPLING_FIELDS
 from nanovllm.logger import logger
@@ -49,7 +51,7 @@ def build_app(llm, served_model: str, api_key: str | None = None) -> FastAPI:
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
+        if api_key is not None and request.url.path.startswith(("/v1", "/api")):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 return _error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", kind="authentication_error")
@@ -66,6 +68,8 @@ def build_app(llm, served_model: str, api_key: str | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, e: RequestValidationError):
         return _error(400, f"the request body is not valid JSON: {e.errors()[:1]}")
+
+    add_ollama_routes(app, loop, llm, served_model)
 
     @app.get("/health")
     async def health():
