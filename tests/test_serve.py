@@ -164,3 +164,28 @@ def test_ollama_generate_and_chat_streamed_and_not(server):
     assert bad.status_code == 400 and "mirostat" in bad.json()["error"]
     assert _ollama(url, "/api/generate", {"model": "other", "prompt": "t5"}).status_code == 404
     assert httpx.post(url + "/api/generate", json={"model": "tiny", "prompt": "t5"}).status_code == 401
+
+
+def test_generate_and_chat_commands_print_what_the_engine_samples(tiny_model_dir, capsys, monkeypatch):
+    """`nanovllm generate` prints generate's text; `nanovllm chat` answers each line through the chat template, the
+    conversation growing, until an empty line."""
+    import io
+
+    from nanovllm.entrypoints import cli
+
+    path = tiny_model_dir("tiny-llama")
+    flags = ["--temperature", "0", "--max-tokens", "8", "--device", "cpu", "--max-model-len", "256",
+             "--kv-cache-memory-bytes", str(16 << 20)]
+    llm = LLM(path, device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    want = llm.generate("t5 t9", params, use_tqdm=False)[0].outputs[0].text
+    capsys.readouterr()
+    assert cli.main(["generate", path, "t5 t9", *flags]) == 0
+    assert capsys.readouterr().out.strip() == want.strip()
+    first = llm.chat([{"role": "user", "content": "t7"}], params, use_tqdm=False)[0].outputs[0].text
+    second = llm.chat([{"role": "user", "content": "t7"}, {"role": "assistant", "content": first},
+                       {"role": "user", "content": "t8 t9"}], params, use_tqdm=False)[0].outputs[0].text
+    monkeypatch.setattr("sys.stdin", io.StringIO("t7\nt8 t9\n\nt10\n"))
+    capsys.readouterr()
+    assert cli.main(["chat", path, *flags]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == [first, second]

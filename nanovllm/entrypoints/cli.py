@@ -1,8 +1,9 @@
-"""The `nanovllm` command (pyproject's console script): `nanovllm run-batch ...`, `nanovllm serve MODEL ...`."""
+"""The `nanovllm` command (pyproject's console script): `nanovllm run-batch ...`, `nanovllm serve MODEL ...`,
+`nanovllm generate MODEL "prompt"`, `nanovllm chat MODEL`."""
 import argparse
 import sys
 
-from nanovllm.entrypoints import run_batch
+from nanovllm.entrypoints import interactive, run_batch
 from nanovllm.entrypoints.engine_flags import add_engine_arguments
 
 
@@ -19,7 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' (also NANOVLLM_API_KEY)")
     serve.add_argument("--served-model-name", default=None, help="the model name the API shows (default: MODEL)")
     add_engine_arguments(serve)
+    interactive.add_arguments(commands.add_parser("generate", help="complete one prompt, printed as it is sampled"),
+                              with_prompt=True)
+    interactive.add_arguments(commands.add_parser("chat", help="a conversation in the terminal (empty line: end)"),
+                              with_prompt=False)
     args = parser.parse_args(argv)
+    if args.command in ("generate", "chat"):
+        return getattr(interactive, args.command)(args)
     if args.command == "serve":
         from nanovllm.entrypoints.openai.server import serve as run_server  # FastAPI only where served
 
