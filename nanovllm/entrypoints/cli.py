@@ -1,5 +1,5 @@
 """The `nanovllm` command (pyproject's console script): `nanovllm run-batch ...`, `nanovllm serve MODEL ...`,
-`nanovllm generate MODEL "prompt"`, `nanovllm chat MODEL`."""
+`nanovllm generate MODEL "prompt"`, `nanovllm chat MODEL`, `nanovllm lm-eval ...` (lm_eval's own command line)."""
 import argparse
 import sys
 
@@ -8,6 +8,11 @@ from nanovllm.entrypoints.engine_flags import add_engine_arguments
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["lm-eval"]:  # every flag after it is lm_eval's own
+        from nanovllm.entrypoints.lm_eval import main as lm_eval_main  # lm-eval only where evaluated
+
+        return lm_eval_main(argv[1:])
     parser = argparse.ArgumentParser(prog="nanovllm")
     commands = parser.add_subparsers(dest="command", required=True)
     run_batch.add_arguments(commands.add_parser("run-batch", help="an OpenAI batch file through one LLM",
@@ -24,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                               with_prompt=True)
     interactive.add_arguments(commands.add_parser("chat", help="a conversation in the terminal (empty line: end)"),
                               with_prompt=False)
+    commands.add_parser("lm-eval", help="lm-evaluation-harness with --model nanovllm (lm_eval's flags follow)")
     args = parser.parse_args(argv)
     if args.command in ("generate", "chat"):
         return getattr(interactive, args.command)(args)
