@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from nanovllm.entrypoints.openai.engine_loop import EngineLoop, Progress
+from nanovllm.entrypoints.request_body import json_object
 from nanovllm.sampling_params import SamplingParams
 
 OPTIONS = {"num_predict": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
@@ -63,12 +64,7 @@ def add_ollama_routes(app: FastAPI, loop: EngineLoop, llm, served_model: str):
 
 
 async def _body(request: Request, served_model: str) -> dict:
-    try:
-        body = await request.json()
-    except json.JSONDecodeError as e:
-        raise OllamaError(400, f"the request body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise OllamaError(400, "the request body must be a JSON object")
+    body = await json_object(request, lambda message: OllamaError(400, message))
     model = body.get("model") or body.get("name")
     if model not in (None, served_model):
         raise OllamaError(404, f"model {model!r} not found: this server serves {served_model!r}")

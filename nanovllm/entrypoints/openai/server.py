@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from nanovllm.entrypoints.ollama import add_ollama_routes
 from nanovllm.entrypoints.openai.engine_loop import EngineLoop, Progress
 from nanovllm.entrypoints.openai_batch import SAMPLING_FIELDS
+from nanovllm.entrypoints.request_body import json_object
 from nanovllm.logger import logger
 from nanovllm.sampling_params import SamplingParams
 
@@ -108,12 +109,7 @@ def build_app(llm, served_model: str, api_key: str | None = None) -> FastAPI:
 
 
 async def _body(request: Request, extra_fields: set, served_model: str) -> dict:
-    try:
-        body = await request.json()
-    except json.JSONDecodeError as e:
-        raise APIError(400, f"the request body is not JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
+    body = await json_object(request, lambda message: APIError(400, message))
     unknown = sorted(set(body) - set(SAMPLING_FIELDS) - extra_fields)
     if unknown:
         raise APIError(400, f"fields not served: {', '.join(unknown)}", unknown[0])
