@@ -189,3 +189,22 @@ def test_generate_and_chat_commands_print_what_the_engine_samples(tiny_model_dir
     capsys.readouterr()
     assert cli.main(["chat", path, *flags]) == 0
     assert capsys.readouterr().out.splitlines()[-2:] == [first, second]
+
+
+def test_logprobs_as_openai_gives_them(server, client):
+    """Chat (logprobs, top_logprobs) and completions (logprobs = n): each sampled token's logprob as generate gives
+    it, the alternatives ranked."""
+    llm, _ = server
+    want = llm.generate("t5 t9", SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    got = client.completions.create(model="tiny", prompt="t5 t9", max_tokens=5, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert got.token_logprobs == pytest.approx([e[t].logprob for e, t in zip(want.logprobs, want.token_ids)])
+    assert all(len(top) == 2 and max(top.values()) >= lp for top, lp in zip(got.top_logprobs, got.token_logprobs))
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "t7"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.completions.create(model="tiny", prompt="t5", logprobs=1, stream=True)

@@ -17,6 +17,7 @@ class Completion:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None  # None while it runs
+    logprobs: tuple | None = None  # a dict (token id -> Logprob) a token, where the request asked for them
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,9 @@ class EngineLoop:
 
     def _progress(self, request_id: str, output) -> Progress | None:
         if output is not None:
-            return Progress(tuple(Completion(c.text, tuple(c.token_ids), c.finish_reason) for c in output.outputs),
+            return Progress(tuple(Completion(c.text, tuple(c.token_ids), c.finish_reason,
+                                             tuple(c.logprobs) if c.logprobs is not None else None)
+                                  for c in output.outputs),
                             len(output.prompt_token_ids))
         request = self.engine.requests.get(request_id)
         if request is None:

@@ -25,8 +25,8 @@ from nanovllm.entrypoints.request_body import json_object
 from nanovllm.logger import logger
 from nanovllm.sampling_params import SamplingParams
 
-CHAT_FIELDS = {"model", "messages", "stream", "stream_options", "user"}
-COMPLETION_FIELDS = {"model", "prompt", "stream", "stream_options", "user"}
+CHAT_FIELDS = {"model", "messages", "stream", "stream_options", "user", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = {"model", "prompt", "stream", "stream_options", "user", "logprobs"}
 
 
 class APIError(Exception):
@@ -119,8 +119,15 @@ async def _body(request: Request, extra_fields: set, served_model: str) -> dict:
     return body
 
 
-def _sampling_params(body: dict) -> SamplingParams:
+def _sampling_params(body: dict, chat: bool) -> SamplingParams:
     fields = {SAMPLING_FIELDS[k]: v for k, v in body.items() if k in SAMPLING_FIELDS and v is not None}
+    logprobs = body.get("logprobs")
+    if chat and logprobs:  # chat: logprobs true, and top_logprobs alternatives a token
+        fields["logprobs"] = body.get("top_logprobs") or 0
+    elif not chat and logprobs is not None:  # completions: logprobs = how many alternatives
+        fields["logprobs"] = logprobs
+    if "logprobs" in fields and body.get("stream"):
+        raise APIError(400, "logprobs with stream=true are not served yet", "logprobs")
     try:
         return SamplingParams(**fields)
     except (TypeError, ValueError) as e:
@@ -128,7 +135,7 @@ def _sampling_params(body: dict) -> SamplingParams:
 
 
 async def _serve(loop: EngineLoop, llm, body: dict, prompt_ids: list[int], chat: bool, model: str):
-    params = _sampling_params(body)
+    params = _sampling_params(body, chat)
     try:
         llm.llm_engine.validate_prompt(prompt_ids, params)
     except ValueError as e:
@@ -156,6 +163,7 @@ class _Reply:
         self.sent = [0] * params.n  # characters streamed a completion
         self.hold = max((len(s) for s in params.stop_strings), default=1) - 1  # a stop string may still cut these
         self.done = [False] * params.n
+        self.top = params.logprobs or 0  # alternatives a token in the logprobs
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
@@ -168,11 +176,12 @@ class _Reply:
 
     def whole(self, progress: Progress) -> dict:
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                        "finish_reason": c.finish_reason} for i, c in enumerate(progress.completions)]
-        else:
-            choices = [{"index": i, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": _chat_logprobs(c, self.top), "finish_reason": c.finish_reason}
                        for i, c in enumerate(progress.completions)]
+        else:
+            choices = [{"index": i, "text": c.text, "logprobs": _completion_logprobs(c, self.top),
+                        "finish_reason": c.finish_reason} for i, c in enumerate(progress.completions)]
         return {**self._head(False), "choices": choices, "usage": self.usage(progress)}
 
     def chunks(self, progress: Progress) -> list[dict]:
@@ -193,6 +202,36 @@ class _Reply:
                 choice = {"index": i, "text": delta, "logprobs": None, "finish_reason": c.finish_reason}
             out.append({**self._head(True), "choices": [choice]})
         return out
+
+
+def _token_logprobs(completion, k: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """(token, its logprob, the k most likely tokens by rank) of each sampled token."""
+    out = []
+    for token_id, entry in zip(completion.token_ids, completion.logprobs):
+        top = sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)
+        out.append((entry[token_id].decoded_token or "", entry[token_id].logprob,
+                    [(lp.decoded_token or "", lp.logprob) for lp in top]))
+    return out
+
+
+def _chat_logprobs(completion, k: int) -> dict | None:
+    if completion.logprobs is None:
+        return None
+    return {"content": [{"token": token, "logprob": logprob, "bytes": list(token.encode()),
+                         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top]}
+                        for token, logprob, top in _token_logprobs(completion, k)]}
+
+
+def _completion_logprobs(completion, k: int) -> dict | None:
+    if completion.logprobs is None:
+        return None
+    entries = _token_logprobs(completion, k)
+    offsets, at = [], 0
+    for token, _, _ in entries:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
 
 
 async def _events(loop: EngineLoop, stream, reply: _Reply, include_usage: bool):
