@@ -193,7 +193,7 @@ def test_generate_and_chat_commands_print_what_the_engine_samples(tiny_model_dir
 
 def test_logprobs_as_openai_gives_them(server, client):
     """Chat (logprobs, top_logprobs) and completions (logprobs = n): each sampled token's logprob as generate gives
-    it, the alternatives ranked."""
+    it, the alternatives ranked; streamed, each chunk carries its new tokens'."""
     llm, _ = server
     want = llm.generate("t5 t9", SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
@@ -206,5 +206,6 @@ def test_logprobs_as_openai_gives_them(server, client):
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens
     assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        client.completions.create(model="tiny", prompt="t5", logprobs=1, stream=True)
+    streamed = list(client.completions.create(model="tiny", prompt="t5 t9", max_tokens=5, temperature=0, logprobs=2,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    assert [lp for c in streamed for lp in c.choices[0].logprobs.token_logprobs] == pytest.approx(got.token_logprobs)

@@ -120,7 +120,9 @@ class EngineLoop:
         request = self.engine.requests.get(request_id)
         if request is None:
             return None
-        return Progress(tuple(Completion(s.text, tuple(s.sampled_token_ids), s.finish_reason) for s in request.seqs),
+        return Progress(tuple(Completion(s.text, tuple(s.sampled_token_ids), s.finish_reason,
+                                         tuple(s.output_logprobs) if s.params.logprobs is not None else None)
+                              for s in request.seqs),
                         len(request.prompt_token_ids))
 
     def _fail_all(self, message: str):

@@ -12,6 +12,7 @@ import json
 import os
 import time
 import uuid
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -126,8 +127,6 @@ def _sampling_params(body: dict, chat: bool) -> SamplingParams:
         fields["logprobs"] = body.get("top_logprobs") or 0
     elif not chat and logprobs is not None:  # completions: logprobs = how many alternatives
         fields["logprobs"] = logprobs
-    if "logprobs" in fields and body.get("stream"):
-        raise APIError(400, "logprobs with stream=true are not served yet", "logprobs")
     try:
         return SamplingParams(**fields)
     except (TypeError, ValueError) as e:
@@ -163,6 +162,7 @@ class _Reply:
         self.sent = [0] * params.n  # characters streamed a completion
         self.hold = max((len(s) for s in params.stop_strings), default=1) - 1  # a stop string may still cut these
         self.done = [False] * params.n
+        self.sent_tokens = [0] * params.n  # tokens whose logprobs went out, a completion
         self.top = params.logprobs or 0  # alternatives a token in the logprobs
 
     def _head(self, chunk: bool) -> dict:
@@ -195,13 +195,25 @@ class _Reply:
             self.done[i] = c.finish_reason is not None
             if not delta and not self.done[i]:
                 continue
+            new = _Tokens(c.token_ids[self.sent_tokens[i]:], c.logprobs[self.sent_tokens[i]:]) \
+                if c.logprobs is not None else _Tokens((), None)
+            self.sent_tokens[i] = len(c.token_ids)
             if self.chat:
-                choice = {"index": i, "delta": {"content": delta} if delta else {}, "logprobs": None,
-                          "finish_reason": c.finish_reason}
+                choice = {"index": i, "delta": {"content": delta} if delta else {},
+                          "logprobs": _chat_logprobs(new, self.top), "finish_reason": c.finish_reason}
             else:
-                choice = {"index": i, "text": delta, "logprobs": None, "finish_reason": c.finish_reason}
+                choice = {"index": i, "text": delta, "logprobs": _completion_logprobs(new, self.top),
+                          "finish_reason": c.finish_reason}
             out.append({**self._head(True), "choices": [choice]})
         return out
+
+
+@dataclass(frozen=True)
+class _Tokens:
+    """Some of a completion's tokens and their logprobs (a stream chunk's)."""
+
+    token_ids: tuple
+    logprobs: tuple | None
 
 
 def _token_logprobs(completion, k: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
