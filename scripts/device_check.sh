@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
-#   bash scripts/device_check.sh [tests|tests1|tests2|moe|bench|all|big|peer|profile|offload|weights|weights70|tp|tp4|dp]
+#   bash scripts/device_check.sh [tests|tests1|tests2|moe|serve|bench|all|big|peer|profile|offload|weights|weights70|tp|tp4|dp]
 # Tests of the bundled model skip there (the device cannot fetch it). `tests` is tests1 then tests2;
 # together they take longer than one 10-minute device call (with flash_attn importable, ~190 tests ran in 540 s), so
 # a call runs one of them. tests2 alone is ~8-9 minutes (142 of test_triton_kernels.py's 240 tests ran in 300 s).
@@ -36,6 +36,9 @@ if [[ $what == moe ]]; then  # mixtures of experts and hybrids: the fused kernel
   gpu_tests moe tests/test_fused_moe.py tests/test_qwen3_moe.py tests/test_qwen3_next.py tests/test_expert_offload.py
   python3 bench.py --model qwen3-30b-a3b --load-format dummy --mode decode1 --repeat 3 2>&1 | grep -v INFO \
     | tee "$OUT/bench_moe_decode1.md" | tail -5
+fi
+if [[ $what == serve ]]; then  # nanovllm serve under 256 concurrent streams against LLM.generate; time to first token
+  python3 bench_serve.py 2>&1 | grep -v INFO | tee "$OUT/bench_serve.md" | tail -12
 fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench.py --repeat 3 2>&1 | grep -v INFO | tee "$OUT/bench_throughput.md" | tail -10
