@@ -296,7 +296,10 @@ class ModelRunner:
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         if handle.sample_idx:
             if handle.ready is not None:
-                self.followers.wait_for(handle.ready) if self.followers else handle.ready.synchronize()
+                if self.followers is not None:
+                    self.followers.wait_for(handle.ready)  # watching the workers while it waits
+                else:
+                    handle.ready.synchronize()
             token_list = handle.tokens_host.tolist()
             lp = (gather_logprobs(handle.raw_logprobs, handle.tokens, handle.max_logprobs)
                   if handle.raw_logprobs is not None else None)

@@ -97,9 +97,7 @@ async def _serve(loop: EngineLoop, llm, body: dict, prompt_ids: list[int], chat:
         hold = max((len(s) for s in params.stop_strings), default=1) - 1  # a stop string may still cut these
         return StreamingResponse(_lines(loop, stream, chat, model, len(prompt_ids), started, hold),
                                  media_type="application/x-ndjson")
-    progress = Progress()
-    async for progress in stream:
-        pass
+    progress = await stream.last()
     if progress.error is not None:
         raise OllamaError(400, progress.error)
     return _line(chat, model, progress.completions[0].text, progress, len(prompt_ids), started, final=True)

@@ -14,7 +14,7 @@ from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.logger import log_once
-from nanovllm.models.llama import LlamaMLP
+from nanovllm.models.llama import LlamaMLP, _linear_method
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.quant.gguf_experts import GGUFExperts
 from nanovllm.quant.gguf_linear import GGUFConfig
@@ -33,8 +33,7 @@ class Qwen3MoeSparseBlock(nn.Module):
         """quant_config: a GGUF file's (GGUFConfig): on CPU its experts stay quantized, on CUDA they are dequantized
         at load (the fused MoE kernels have no quantized form yet); the router and shared expert follow it."""
         super().__init__()
-        method = quant_config.linear_method() if quant_config is not None else None
-        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, linear_method=method)
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, linear_method=_linear_method(quant_config))
         kept = quant_config is not None and quant_config.device.type == "cpu"
         with torch.device("meta") if kept else contextlib.nullcontext():  # kept quantized: no dense experts at all
             self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,

@@ -30,6 +30,7 @@ from nanovllm.layers.linear_attention import (
     gated_delta_rule_step,
 )
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.logger import log_once
 from nanovllm.models.llama import LlamaMLP, LlamaModel
 from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
 from nanovllm.rope_scaling import rope_parameters
@@ -80,6 +81,8 @@ class GatedDeltaNet(nn.Module):
         return mixed, z.reshape(tokens, self.num_v_heads, dv), b.reshape(tokens, -1), a.reshape(tokens, -1)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if x.is_cuda:
+            log_once("linear attention runs the plain torch gated delta rule on CUDA (no fla-core kernels yet)")
         mixed, z, b, a = self.project(x)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
@@ -97,9 +100,9 @@ class GatedDeltaNet(nn.Module):
     def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = mixed.shape[0]
         if "state_slots" not in meta.scratch:  # made once a step, for every such layer
-            meta.scratch["state_slots"] = to_device(meta.state_slots[:n], torch.int64, mixed.device)
-        slots = meta.scratch["state_slots"]
-        kept = (meta.seq_lens[:n] > 1).float()[:, None, None]  # a one-token prompt starts from zeros
+            meta.scratch["state_slots"] = (to_device(meta.state_slots[:n], torch.int64, mixed.device),
+                                           (meta.seq_lens[:n] > 1).float()[:, None, None])  # a 1-token prompt: zeros
+        slots, kept = meta.scratch["state_slots"]
         mixed, self.conv_state[slots] = causal_conv1d_step(mixed, self.conv1d.weight[:, 0], None,
                                                            self.conv_state[slots] * kept)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], -1)

@@ -113,6 +113,7 @@ class LayerExperts:
         self.in_host = in_host  # experts 0..in_host-1 have host rows (their index); the rest are on disk
         self.counts = torch.zeros(num_experts, dtype=torch.int64, device=device)  # routed pairs seen, an expert
         self.forwards = 0
+        self._staging: torch.Tensor | None = None  # whole pages a disk read lands in
 
     def _place(self, expert: int, projection: int) -> int:
         return 2 * (self.key + expert) + projection
@@ -140,7 +141,7 @@ class LayerExperts:
         """A disk expert's two projections into host rows (a staging buffer of whole pages between)."""
         for projection, row in ((0, row13), (1, row2)):
             nbytes = row.numel() * row.element_size()
-            if getattr(self, "_staging", None) is None or self._staging.numel() < aligned(nbytes):
+            if self._staging is None or self._staging.numel() < aligned(nbytes):
                 self._staging = torch.empty(aligned(nbytes), dtype=torch.uint8, pin_memory=row.is_pinned())
             self.layer_file.read_into(self._place(expert, projection), self._staging)
             row.view(-1).view(torch.uint8).copy_(self._staging[:nbytes])

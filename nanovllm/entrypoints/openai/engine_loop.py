@@ -50,6 +50,13 @@ class RequestStream:
             if progress.finished:
                 return
 
+    async def last(self) -> Progress:
+        """The request's final progress: its whole answer, or its error."""
+        progress = Progress()
+        async for progress in self:
+            pass
+        return progress
+
 
 class EngineLoop:
     def __init__(self, llm):

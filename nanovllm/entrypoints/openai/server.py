@@ -144,9 +144,7 @@ async def _serve(loop: EngineLoop, llm, body: dict, prompt_ids: list[int], chat:
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(_events(loop, stream, reply, include_usage), media_type="text/event-stream")
-    progress = Progress()
-    async for progress in stream:
-        pass
+    progress = await stream.last()
     if progress.error is not None:
         raise APIError(400, progress.error)
     return reply.whole(progress)
