@@ -111,7 +111,7 @@ def _align_pairs_torch(ids: torch.Tensor, num_experts: int, block_m: int, max_ro
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device).scatter_add_(0, flat,
                                                                                            torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[-1] = 0
+    padded[-1:].zero_()  # no host scalar: the torch path runs inside CUDA graph captures too
     ends = padded.cumsum(0)
     order = flat.argsort(stable=True)
     sorted_experts = flat[order]
