@@ -27,6 +27,7 @@ class AttentionMetadata:
     scratch: dict = field(default_factory=dict)  # a backend's per-step values, computed at the first layer
     offloaded: list[list[int]] | None = None  # per sequence, the host pool blocks of its leading KV (None: none)
     state_slots: list[int] | None = None  # per sequence, its linear-attention state slot (None: no such layers)
+    state_slot_ids: torch.Tensor | None = None  # [B] int32: state_slots on the device (< 0: a CUDA-graph padding row)
 
     @property
     def num_seqs(self) -> int:

@@ -72,6 +72,7 @@ class _StepBuffers:
         self.seq_lens = torch.ones(max_seqs, **i32)
         self.block_tables = torch.full((max_seqs, max_blocks_per_seq), scratch_block, **i32)
         self.query_start_loc = torch.arange(max_seqs + 1, **i32)
+        self.state_slots = torch.full((max_seqs,), -1, **i32)  # linear-attention layers' slots; padding rows -1
 
     def fill_tokens(self, input_ids, positions, slot_mapping, padded: int):
         n = input_ids.shape[0]
@@ -121,7 +122,8 @@ class CUDAGraphRunner:
         return AttentionMetadata(
             slot_mapping=buf.slot_mapping[:bs], query_start_loc=buf.query_start_loc[:bs + 1],
             seq_lens=buf.seq_lens[:bs], block_tables=buf.block_tables[:bs], num_decodes=bs, max_query_len=1,
-            max_seq_len=context_bound, query_start_loc_cpu=None, seq_lens_cpu=None)
+            max_seq_len=context_bound, query_start_loc_cpu=None, seq_lens_cpu=None,
+            state_slot_ids=buf.state_slots[:bs])
 
     def _step(self, bs: int, context_bound: int):
         buf = self.buffers
@@ -173,6 +175,9 @@ class CUDAGraphRunner:
         buf.input_ids[:n].copy_(input_ids)
         buf.positions[:n].copy_(positions)
         buf.block_tables[:n, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        if meta.state_slot_ids is not None:  # rows past n must touch no sequence's state
+            buf.state_slots[:n].copy_(meta.state_slot_ids)
+            buf.state_slots[n:].fill_(-1)
         self.num_rows.fill_(n)
         return self.replay(n, meta.max_seq_len)
 

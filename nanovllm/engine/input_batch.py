@@ -65,7 +65,10 @@ def prepare_inputs(seqs: list[Sequence], block_size: int, gqa_group: int,
         num_decodes=num_new.count(1), max_query_len=max_query_len, max_seq_len=max(seq_lens),
         query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
         prefill_tiles=small[2 * b_pad + b * width:].view(2, t_pad) if tiles is not None else None,
-        offloaded=offloaded, state_slots=[s.state_slot for s in seqs] if seqs[0].state_slot is not None else None)
+        offloaded=offloaded)
+    if seqs[0].state_slot is not None:
+        meta.state_slots = [s.state_slot for s in seqs]
+        meta.state_slot_ids = to_device(meta.state_slots, torch.int32, device)
     return packed[:n], packed[n_pad:n_pad + n], meta
 
 

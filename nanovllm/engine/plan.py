@@ -32,7 +32,7 @@ class ExecutionPlan:
         fast = device.type == "cuda" and backend.name != "torch"
         graphs_off = _graphs_off(config, device, model, backend, streamer)
         return cls(device, dtype, backend.name, fast, _linear_method(device, dtype, fast), _pdl_off(device, fast),
-                   graphs_off, graphs_off is None and backend.supports_prefill_graphs,
+                   graphs_off, graphs_off is None and backend.supports_prefill_graphs and model.supports_prefill_graphs,
                    _weights(streamer, device),
                    config.tensor_parallel_size)
 

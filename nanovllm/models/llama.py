@@ -136,6 +136,7 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     special_params: tuple[str, ...] = ()  # name pieces of the parameters that load_special loads and checks itself
     supports_cuda_graphs = True
+    supports_prefill_graphs = True  # with supports_cuda_graphs: steps with prefills may replay graphs too
     # HF tensor name piece -> (our parameter name piece, shard id)
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}

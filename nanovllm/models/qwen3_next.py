@@ -15,11 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.attention import AttentionMetadata
-from nanovllm.device_arrays import to_device
 from nanovllm.distributed.parallel_state import tp_size
 from nanovllm.kvcache.spec import StateSpec
 from nanovllm.layers.attention import Attention
+from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import LMHead, VocabEmbedding
+from nanovllm.layers.fla_prefill import fla_ops, prefill_varlen
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnLinear, ReplicatedLinear, RowParallelLinear
 from nanovllm.layers.linear_attention import (
@@ -41,7 +42,7 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(CustomOp):
     def __init__(self, config):
         super().__init__()
         self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
@@ -81,28 +82,34 @@ class GatedDeltaNet(nn.Module):
         return mixed, z.reshape(tokens, self.num_v_heads, dv), b.reshape(tokens, -1), a.reshape(tokens, -1)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if x.is_cuda:
-            log_once("linear attention runs the plain torch gated delta rule on CUDA (no fla-core kernels yet)")
+        if x.is_cuda and not self.use_triton:
+            log_once("linear attention runs the plain torch gated delta rule (the torch attention backend)")
         mixed, z, b, a = self.project(x)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
-        decodes = meta.num_decodes if meta.state_slots is not None else 0
-        if decodes:  # one token each, first in the step: one batched step from their slots
-            out[:decodes] = self._decode(mixed[:decodes], g[:decodes], beta[:decodes], meta)
-        starts = meta.query_start_loc_cpu
-        for i in range(decodes, len(starts) - 1):
-            rows = slice(starts[i], starts[i + 1])
-            out[rows] = self._sequence(mixed[rows], g[rows], beta[rows], meta.seq_lens_cpu[i],
-                                       meta.state_slots[i] if meta.state_slots is not None else None)
+        decodes = meta.num_decodes if meta.state_slot_ids is not None else 0
+        if decodes:  # one token each, first in the step: one batched step on their slots
+            out[:decodes] = self._decode(mixed[:decodes], b[:decodes], a[:decodes], meta)
+        if decodes < meta.num_seqs:
+            rows = slice(meta.query_start_loc_cpu[decodes], None)
+            prefill = self._prefill_fla if self.use_triton and fla_ops() else self._prefill_native
+            out[rows] = prefill(mixed[rows], *self._gates(b[rows], a[rows]), meta, decodes)
         return self.out_proj(self._gated_norm(out, z).flatten(1))
 
-    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log decay g fp32, beta), as HF computes them."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()
+
+    def _decode(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = mixed.shape[0]
-        if "state_slots" not in meta.scratch:  # made once a step, for every such layer
-            meta.scratch["state_slots"] = (to_device(meta.state_slots[:n], torch.int64, mixed.device),
-                                           (meta.seq_lens[:n] > 1).float()[:, None, None])  # a 1-token prompt: zeros
-        slots, kept = meta.scratch["state_slots"]
+        slots, seq_lens = meta.state_slot_ids[:n], meta.seq_lens[:n]
+        if self.use_triton:
+            from nanovllm.kernels.gated_delta_decode import conv1d_step, gated_delta_rule_step_slots
+
+            mixed = conv1d_step(mixed, self.conv1d.weight[:, 0], self.conv_state, slots, seq_lens)
+            return gated_delta_rule_step_slots(mixed, a, b, self.A_log, self.dt_bias, self.ssm_state, slots, seq_lens,
+                                               self.num_k_heads)
+        g, beta = self._gates(b, a)
+        slots, kept = slots.long(), (seq_lens > 1).float()[:, None, None]  # a 1-token prompt starts from zeros
         mixed, self.conv_state[slots] = causal_conv1d_step(mixed, self.conv1d.weight[:, 0], None,
                                                            self.conv_state[slots] * kept)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], -1)
@@ -110,6 +117,34 @@ class GatedDeltaNet(nn.Module):
         out, self.ssm_state[slots] = gated_delta_rule_step(q, k, v.reshape(n, self.num_v_heads, self.head_v_dim), g,
                                                            beta, self.ssm_state[slots] * kept[..., None])
         return out
+
+    def _prefill_fla(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata,
+                     first: int) -> torch.Tensor:
+        """The step's prompts (its sequences from `first` on) in one varlen launch each of fla-core's kernels."""
+        starts = meta.query_start_loc_cpu[first:]
+        cu_seqlens = [start - starts[0] for start in starts]
+        conv_states = ssm_states = None
+        if meta.state_slots is not None:
+            slots = meta.state_slot_ids[first:].long()
+            fresh = [meta.seq_lens_cpu[i] == starts[i - first + 1] - starts[i - first]
+                     for i in range(first, meta.num_seqs)]
+            kept = ~torch.tensor(fresh, device=mixed.device)[:, None, None]
+            conv_states, ssm_states = self.conv_state[slots] * kept, self.ssm_state[slots] * kept[..., None]
+        out, after = prefill_varlen(mixed, g, beta, self.conv1d.weight[:, 0], conv_states, ssm_states, cu_seqlens,
+                                    self.num_k_heads, self.head_k_dim, self.num_v_heads)
+        if after is not None:
+            self.conv_state[slots], self.ssm_state[slots] = (t.to(self.conv_state.dtype) for t in after)
+        return out
+
+    def _prefill_native(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata,
+                        first: int) -> torch.Tensor:
+        """The step's prompts one at a time in plain torch."""
+        starts = meta.query_start_loc_cpu
+        return torch.cat([self._sequence(mixed[starts[i] - starts[first]:starts[i + 1] - starts[first]],
+                                         g[starts[i] - starts[first]:starts[i + 1] - starts[first]],
+                                         beta[starts[i] - starts[first]:starts[i + 1] - starts[first]],
+                                         meta.seq_lens_cpu[i], meta.state_slots[i] if meta.state_slots else None)
+                          for i in range(first, meta.num_seqs)])
 
     def _sequence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seq_len: int,
                   slot: int | None) -> torch.Tensor:
@@ -233,7 +268,7 @@ def layer_types(config) -> list[str]:
 
 
 class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
-    supports_cuda_graphs = False  # the linear-attention layers loop over the step's sequences on the host
+    supports_prefill_graphs = False  # prompts' linear attention reads host values (fla-core, the sequences' lengths)
     linear_attention = GatedDeltaNet
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
