@@ -111,7 +111,7 @@ def _line(chat: bool, model: str, text: str, progress: Progress, prompt_tokens: 
     if final:
         reason = progress.completions[0].finish_reason
         line.update(done_reason="length" if reason == "length" else "stop", total_duration=time.monotonic_ns() - started,
-                    prompt_eval_count=prompt_tokens, eval_count=len(progress.completions[0].token_ids))
+                    prompt_eval_count=prompt_tokens, eval_count=progress.completions[0].num_tokens)
     return line
 
 

@@ -1,7 +1,9 @@
 """The server's one engine loop: a thread that steps the engine while any request is unfinished, so that requests
 arriving at any time join the running batches and leave them when done. Handlers (on the asyncio loop) submit a
-request and read its progress from a queue, one snapshot a step: every completion's text and token ids so far.
-Nothing but this thread touches the engine after start-up; adds and aborts reach it through its inbox."""
+request and read its progress from a queue: every completion's text and tokens so far, as views of the engine's own
+lists (no copy a step), all of a step's updates handed to the asyncio loop at once. A handler that falls behind
+reads only the newest update. Nothing but this thread touches the engine after start-up; adds and aborts reach it
+through its inbox."""
 import asyncio
 import itertools
 import queue
@@ -14,10 +16,28 @@ from nanovllm.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class Completion:
+    """A completion as one step left it: num_tokens tokens from ids[first] on. The engine's lists change only past
+    the tokens it has read back, so a view of them needs no copy."""
+
     text: str
-    token_ids: tuple[int, ...]
+    ids: list[int]
+    first: int
+    num_tokens: int
     finish_reason: str | None  # None while it runs
-    logprobs: tuple | None = None  # a dict (token id -> Logprob) a token, where the request asked for them
+    all_logprobs: list | None = None  # a dict (token id -> Logprob) a token, where the request asked for them
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.tokens_from(0)[0]
+
+    @property
+    def logprobs(self) -> list | None:
+        return self.tokens_from(0)[1]
+
+    def tokens_from(self, start: int) -> tuple[list[int], list | None]:
+        """(token ids, their logprobs or None) from the completion's start-th token on."""
+        logprobs = None if self.all_logprobs is None else self.all_logprobs[start:self.num_tokens]
+        return self.ids[self.first + start:self.first + self.num_tokens], logprobs
 
 
 @dataclass(frozen=True)
@@ -40,12 +60,12 @@ class RequestStream:
         self.request_id, self.loop = request_id, loop
         self.queue: asyncio.Queue[Progress] = asyncio.Queue()
 
-    def put(self, progress: Progress):  # from the engine loop's thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, progress)
-
     async def __aiter__(self):
+        """Each update, or where several wait, the newest (each holds everything before it)."""
         while True:
             progress = await self.queue.get()
+            while not self.queue.empty():
+                progress = self.queue.get_nowait()
             yield progress
             if progress.finished:
                 return
@@ -65,12 +85,14 @@ class EngineLoop:
         self.streams: dict[str, RequestStream] = {}
         self.ids = itertools.count()
         self.closed = False
+        self.event_loop: asyncio.AbstractEventLoop | None = None  # the server's, where the streams are read
         self.thread = threading.Thread(target=self._run, daemon=True, name="nanovllm-engine-loop")
         self.thread.start()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         """Queue a request (already validated: validate_prompt) and return its stream."""
         stream = RequestStream(f"srv-{next(self.ids)}", asyncio.get_running_loop())
+        self.event_loop = stream.loop
         self.inbox.put(("add", stream, prompt_ids, params))
         return stream
 
@@ -95,12 +117,19 @@ class EngineLoop:
                 logger.exception("an engine step failed")
                 self._fail_all(f"the engine step failed: {e}")
                 continue
+            updates = []
             for request_id, stream in list(self.streams.items()):
                 progress = self._progress(request_id, finished.get(request_id))
                 if progress is not None:
-                    stream.put(progress)
+                    updates.append((stream, progress))
                     if progress.finished:
                         del self.streams[request_id]
+            self._deliver(updates)
+
+    def _deliver(self, updates: list[tuple[RequestStream, Progress]]):
+        """One wake-up of the asyncio loop for all of a step's updates."""
+        if updates:
+            self.event_loop.call_soon_threadsafe(_put_all, updates)
 
     def _take_inbox(self, block: bool):
         while True:
@@ -114,26 +143,31 @@ class EngineLoop:
                     self.engine.add_request(stream.request_id, prompt_ids, params)
                     self.streams[stream.request_id] = stream
                 except ValueError as e:
-                    stream.put(Progress(error=str(e)))
+                    self._deliver([(stream, Progress(error=str(e)))])
             elif kind == "abort" and self.streams.pop(stream.request_id, None) is not None:
                 self.engine.abort_request(stream.request_id)
 
     def _progress(self, request_id: str, output) -> Progress | None:
         if output is not None:
-            return Progress(tuple(Completion(c.text, tuple(c.token_ids), c.finish_reason,
-                                             tuple(c.logprobs) if c.logprobs is not None else None)
+            return Progress(tuple(Completion(c.text, c.token_ids, 0, len(c.token_ids), c.finish_reason, c.logprobs)
                                   for c in output.outputs),
                             len(output.prompt_token_ids))
         request = self.engine.requests.get(request_id)
         if request is None:
             return None
-        return Progress(tuple(Completion(s.text, tuple(s.sampled_token_ids), s.finish_reason,
-                                         tuple(s.output_logprobs) if s.params.logprobs is not None else None)
+        return Progress(tuple(Completion(s.text, s.token_ids, s.num_prompt_tokens,
+                                         len(s.token_ids) - s.num_prompt_tokens - s.num_placeholders, s.finish_reason,
+                                         s.output_logprobs if s.params.logprobs is not None else None)
                               for s in request.seqs),
                         len(request.prompt_token_ids))
 
     def _fail_all(self, message: str):
-        for request_id, stream in list(self.streams.items()):
+        for request_id in self.streams:
             self.engine.abort_request(request_id)
-            stream.put(Progress(error=message))
+        self._deliver([(stream, Progress(error=message)) for stream in self.streams.values()])
         self.streams.clear()
+
+
+def _put_all(updates: list[tuple[RequestStream, Progress]]):
+    for stream, progress in updates:
+        stream.queue.put_nowait(progress)

@@ -168,7 +168,7 @@ class _Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def usage(self, progress: Progress) -> dict:
-        completion = sum(len(c.token_ids) for c in progress.completions)
+        completion = sum(c.num_tokens for c in progress.completions)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 
@@ -193,9 +193,8 @@ class _Reply:
             self.done[i] = c.finish_reason is not None
             if not delta and not self.done[i]:
                 continue
-            new = _Tokens(c.token_ids[self.sent_tokens[i]:], c.logprobs[self.sent_tokens[i]:]) \
-                if c.logprobs is not None else _Tokens((), None)
-            self.sent_tokens[i] = len(c.token_ids)
+            new = _Tokens(*c.tokens_from(self.sent_tokens[i])) if c.all_logprobs is not None else _Tokens((), None)
+            self.sent_tokens[i] = c.num_tokens
             if self.chat:
                 choice = {"index": i, "delta": {"content": delta} if delta else {},
                           "logprobs": _chat_logprobs(new, self.top), "finish_reason": c.finish_reason}
