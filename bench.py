@@ -168,7 +168,8 @@ def bench_decode1(args, model, dtype):
     decode_tps = sorted(runs)[len(runs) // 2]
     runner = llm.llm_engine.model_runner
     bw, weight_bytes = measure_hbm_bandwidth(), weight_bytes_per_step(runner.model, batch=1)
-    bound = bw / (weight_bytes + kv_bytes_per_token(runner) * 640)
+    state_bytes = 2 * runner.plan.kv.slot_bytes  # linear-attention layers read and write their state slots
+    bound = bw / (weight_bytes + kv_bytes_per_token(runner) * 640 + state_bytes)
     print(header(args, dtype, f"bs=1, prompt 512, 256 new tokens, greedy, median of {args.repeat} run(s)"))
     print("| decode tok/s | weight-read bound tok/s | ratio | weights GB | HBM TB/s | runs |\n|---|---|---|---|---|---|")
     print(f"| {decode_tps:.0f} | {bound:.0f} | {decode_tps / bound:.0%} | {weight_bytes / 1e9:.2f} | {bw / 1e12:.2f} "
