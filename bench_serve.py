@@ -1,7 +1,8 @@
 """`nanovllm serve` against LLM.generate on the same engine: nano-vLLM's workload sent as concurrent streaming
 completions (token-id prompts, ignore_eos, temperature 0.6) through the OpenAI route, its output tok/s against the
-offline run's in the same process; and the time to first token at 1, 16 and 64 concurrent requests. The clients run
-in a process of their own, as users' would: they do not share the server's interpreter.
+offline run's on the same engine settings; and the time to first token at 1, 16 and 64 concurrent requests. The server
+runs its engine in a process of its own (as `nanovllm serve` does), the clients in another, as users' would; the
+offline run goes first, in a process of its own too (one engine holds the GPU at a time).
 
     python bench_serve.py                                # GPU: 256 requests, Qwen3-0.6B shape
     python bench_serve.py --device cpu --model tiny-llama --num-seqs 8 --input-len 10 20 --output-len 8 16
@@ -18,8 +19,10 @@ import time
 import httpx
 import torch
 import uvicorn
+from transformers import AutoConfig
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.entrypoints.openai.engine_client import EngineClient
 from nanovllm.entrypoints.openai.server import build_app
 from nanovllm.utils.benchmarking import make_workload, resolve_model
 
@@ -53,15 +56,26 @@ def _clients(url: str, prompts, out_lens) -> tuple[float, list[float], int]:
     return asyncio.run(_burst(url, prompts, out_lens))
 
 
-def _serve(llm) -> tuple[uvicorn.Server, str]:
+def _serve(engine: EngineClient) -> tuple[uvicorn.Server, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(llm, "bench"), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, "bench"), host="127.0.0.1", port=port,
+                                           log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
     return server, f"http://127.0.0.1:{port}"
+
+
+def _offline(model: str, settings: dict, prompts, out_lens) -> float:
+    """LLM.generate's output tok/s on the workload (in a process of its own, which frees its GPU when done)."""
+    llm = LLM(model, **settings)
+    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in out_lens]
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params[:4], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return sum(out_lens) / (time.perf_counter() - start)
 
 
 def main():
@@ -75,24 +89,22 @@ def main():
     ap.add_argument("--load-format", default="auto")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    llm = LLM(resolve_model(args.model, dtype, load_format=args.load_format), device=args.device,
-              load_format=args.load_format)
-    prompts, out_lens = make_workload(args, llm.llm_engine.model_config.vocab_size)
-    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in out_lens]
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params[:4], use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    offline = sum(out_lens) / (time.perf_counter() - start)
-    llm.reset_prefix_cache()
-    server, url = _serve(llm)
-    clients = multiprocessing.get_context("spawn").Pool(1)
-    clients.apply(_clients, (url, prompts[:1], [1]))  # the process is up, its imports done
-    seconds, _, tokens = clients.apply(_clients, (url, prompts, out_lens))
-    llm.reset_prefix_cache()
-    ttft = {n: sorted(clients.apply(_clients, (url, prompts[:n], [16] * n))[1])[n // 2] for n in (1, 16, 64)
-            if n <= len(prompts)}
-    clients.close()
+    model = resolve_model(args.model, dtype, load_format=args.load_format)
+    # no prefix cache: the warm-up's and the first run's prompts would serve the later runs' from it
+    settings = dict(device=args.device, load_format=args.load_format, enable_prefix_caching=False)
+    prompts, out_lens = make_workload(args, AutoConfig.from_pretrained(model).vocab_size)
+    spawn = multiprocessing.get_context("spawn")
+    with spawn.Pool(1) as offline_run:
+        offline = offline_run.apply(_offline, (model, settings, prompts, out_lens))
+    engine = EngineClient(model, settings)
+    server, url = _serve(engine)
+    with spawn.Pool(1) as clients:
+        clients.apply(_clients, (url, prompts[:4], [8] * 4))  # the process up, its imports done; the engine warm
+        seconds, _, tokens = clients.apply(_clients, (url, prompts, out_lens))
+        ttft = {n: sorted(clients.apply(_clients, (url, prompts[:n], [16] * n))[1])[n // 2] for n in (1, 16, 64)
+                if n <= len(prompts)}
     server.should_exit = True
+    engine.close()
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print("| device | date | model | config |\n|---|---|---|---|")
     print(f"| {device} | {datetime.date.today()} | {args.model} | {args.num_seqs} streamed requests, in "

@@ -1,6 +1,7 @@
 """`nanovllm serve` (entrypoints/openai/server.py) through the `openai` client on a tiny model: completions and chat,
 streamed and not, the models list, the API key, bad fields, concurrent requests batched together with the tokens
-LLM.generate gives them, and a stream dropped mid-way that frees its blocks."""
+LLM.generate gives them, and a stream dropped mid-way that frees its blocks. The server's engine runs in a process
+of its own (as `nanovllm serve` runs it); the reference LLM runs here."""
 import json
 import socket
 import threading
@@ -12,6 +13,7 @@ import pytest
 import uvicorn
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.entrypoints.openai.engine_client import EngineClient
 from nanovllm.entrypoints.openai.server import build_app
 
 KEY = "test-key"
@@ -19,8 +21,10 @@ KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    llm = LLM(tiny_model_dir("tiny-llama"), device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
-    app = build_app(llm, "tiny", api_key=KEY)
+    settings = dict(device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    llm = LLM(tiny_model_dir("tiny-llama"), **settings)
+    engine = EngineClient(tiny_model_dir("tiny-llama"), settings)
+    app = build_app(engine, "tiny", api_key=KEY)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -29,9 +33,10 @@ def server(tiny_model_dir):
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    yield llm, f"http://127.0.0.1:{port}"
+    yield llm, f"http://127.0.0.1:{port}", engine
     server.should_exit = True
     thread.join(timeout=10)
+    engine.close()
 
 
 @pytest.fixture
@@ -45,7 +50,7 @@ def _greedy(llm, prompts: list[str], max_tokens: int) -> list[str]:
 
 
 def test_completions_streamed_and_not_give_generates_text(server, client):
-    llm, _ = server
+    llm, _, _ = server
     want = _greedy(llm, ["t5 t9 t12"], 12)[0]
     got = client.completions.create(model="tiny", prompt="t5 t9 t12", max_tokens=12, temperature=0,
                                     extra_body={"ignore_eos": True})
@@ -59,7 +64,7 @@ def test_completions_streamed_and_not_give_generates_text(server, client):
 
 
 def test_chat_streamed_and_not(server, client):
-    llm, _ = server
+    llm, _, _ = server
     messages = [{"role": "user", "content": "t7 t8"}]
     want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
                     use_tqdm=False)[0].outputs[0].text
@@ -73,17 +78,9 @@ def test_chat_streamed_and_not(server, client):
 
 def test_concurrent_requests_share_batches_with_generates_tokens(server, client):
     """8 requests at once from 8 threads: the engine runs them in shared steps, each gets LLM.generate's text."""
-    llm, _ = server
+    llm, _, engine = server
     prompts = [" ".join(f"t{3 + (7 * i + j) % 500}" for j in range(5 + 3 * i)) for i in range(8)]
     want = _greedy(llm, prompts, 16)
-    runner, batch_sizes = llm.llm_engine.model_runner, []
-    launch = runner.launch
-
-    def counted(seqs, *args, **kwargs):  # the engine loop's steps, seen from the runner
-        batch_sizes.append(len(seqs))
-        return launch(seqs, *args, **kwargs)
-
-    runner.launch = counted
     got = [None] * len(prompts)
 
     def ask(i):
@@ -95,9 +92,8 @@ def test_concurrent_requests_share_batches_with_generates_tokens(server, client)
         t.start()
     for t in threads:
         t.join()
-    del runner.launch
     assert got == want
-    assert max(batch_sizes) > 1  # requests ran in shared steps, not one after another
+    assert engine.stats()["max_batch"] > 1  # requests ran in shared steps, not one after another
 
 
 def test_models_key_and_errors(server, client):
@@ -116,8 +112,7 @@ def test_models_key_and_errors(server, client):
 
 
 def test_a_dropped_stream_aborts_its_request(server):
-    llm, url = server
-    engine = llm.llm_engine
+    _, url, engine = server
     with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                       json={"model": "tiny", "prompt": "t5 t6", "max_tokens": 200, "stream": True,
                             "ignore_eos": True}) as response:
@@ -125,11 +120,9 @@ def test_a_dropped_stream_aborts_its_request(server):
             if line.startswith("data: {"):
                 break  # one chunk in, then the client goes away
     deadline = time.monotonic() + 10
-    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+    while (stats := engine.stats())["unfinished"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not engine.has_unfinished_requests()
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    assert not stats["unfinished"] and stats["free_blocks"] == stats["num_blocks"]
 
 
 def _ollama(url: str, route: str, body: dict, stream: bool = False):
@@ -143,7 +136,7 @@ def _ollama(url: str, route: str, body: dict, stream: bool = False):
 def test_ollama_generate_and_chat_streamed_and_not(server):
     """Ollama's routes: NDJSON lines whose text adds up to generate's, a final line with the counts; one JSON object
     with stream false; options as SamplingParams; tags and show; errors as {"error"}."""
-    llm, url = server
+    llm, url, _ = server
     options = {"num_predict": 12, "temperature": 0}
     want = llm.generate("t5 t9 t12", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
     whole = _ollama(url, "/api/generate", {"model": "tiny", "prompt": "t5 t9 t12", "options": options}).json()
@@ -194,7 +187,7 @@ def test_generate_and_chat_commands_print_what_the_engine_samples(tiny_model_dir
 def test_logprobs_as_openai_gives_them(server, client):
     """Chat (logprobs, top_logprobs) and completions (logprobs = n): each sampled token's logprob as generate gives
     it, the alternatives ranked; streamed, each chunk carries its new tokens'."""
-    llm, _ = server
+    llm, _, _ = server
     want = llm.generate("t5 t9", SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
     got = client.completions.create(model="tiny", prompt="t5 t9", max_tokens=5, temperature=0, logprobs=2,
@@ -209,3 +202,31 @@ def test_logprobs_as_openai_gives_them(server, client):
     streamed = list(client.completions.create(model="tiny", prompt="t5 t9", max_tokens=5, temperature=0, logprobs=2,
                                               stream=True, extra_body={"ignore_eos": True}))
     assert [lp for c in streamed for lp in c.choices[0].logprobs.token_logprobs] == pytest.approx(got.token_logprobs)
+
+
+def test_an_engine_that_dies_is_an_error_not_a_hang(tiny_model_dir):
+    """The engine process killed mid-stream: the stream ends with an error and the next request gets a 503 at
+    once; an engine that cannot start says why."""
+    engine = EngineClient(tiny_model_dir("tiny-llama"), dict(device="cpu", max_model_len=256,
+                                                             kv_cache_memory_bytes=16 << 20))
+    app = build_app(engine, "tiny")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"model": "tiny", "prompt": "t5 t6", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url, json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        engine.process.kill()
+        rest = list(lines)
+    assert any('"error"' in line for line in rest)
+    late = httpx.post(url, json={**body, "stream": False}, timeout=30)
+    assert late.status_code == 503 and "engine process" in late.json()["error"]["message"]
+    server.should_exit = True
+    with pytest.raises(RuntimeError, match="the engine did not start"):
+        EngineClient("/no/such/model", dict(device="cpu"))

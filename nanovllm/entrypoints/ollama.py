@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from nanovllm.entrypoints.openai.engine_loop import EngineLoop, Progress
+from nanovllm.entrypoints.openai.engine_client import EngineClient, Progress, RequestStream
 from nanovllm.entrypoints.request_body import json_object
 from nanovllm.sampling_params import SamplingParams
 
@@ -24,7 +24,7 @@ class OllamaError(Exception):
         self.status, self.message = status, message
 
 
-def add_ollama_routes(app: FastAPI, loop: EngineLoop, llm, served_model: str):
+def add_ollama_routes(app: FastAPI, engine: EngineClient, served_model: str):
     @app.exception_handler(OllamaError)
     async def ollama_error(_, e: OllamaError):
         return JSONResponse({"error": e.message}, e.status)
@@ -32,14 +32,14 @@ def add_ollama_routes(app: FastAPI, loop: EngineLoop, llm, served_model: str):
     @app.get("/api/tags")
     async def tags():
         return {"models": [{"name": served_model, "model": served_model, "modified_at": _now(), "size": 0,
-                            "digest": "", "details": _details(llm)}]}
+                            "digest": "", "details": _details(engine.info)}]}
 
     @app.post("/api/show")
     async def show(request: Request):
         body = await _body(request, served_model)
-        return {"modelfile": "", "parameters": "", "template": "", "details": _details(llm),
-                "model_info": {"general.architecture": llm.llm_engine.model_config.hf_config.architectures[0],
-                               "context_length": llm.llm_engine.model_config.max_model_len},
+        return {"modelfile": "", "parameters": "", "template": "", "details": _details(engine.info),
+                "model_info": {"general.architecture": engine.info["architecture"],
+                               "context_length": engine.info["max_model_len"]},
                 "name": body.get("model") or body.get("name")}
 
     @app.post("/api/generate")
@@ -48,7 +48,7 @@ def add_ollama_routes(app: FastAPI, loop: EngineLoop, llm, served_model: str):
         if not isinstance(body.get("prompt"), str):
             raise OllamaError(400, "prompt must be a string")
         prompt = body["prompt"] if not body.get("system") else f"{body['system']}\n\n{body['prompt']}"
-        return await _serve(loop, llm, body, llm.get_tokenizer()(prompt).input_ids, chat=False, model=served_model)
+        return await _serve(engine, body, ("text", prompt), chat=False, model=served_model)
 
     @app.post("/api/chat")
     async def chat(request: Request):
@@ -56,11 +56,7 @@ def add_ollama_routes(app: FastAPI, loop: EngineLoop, llm, served_model: str):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise OllamaError(400, "messages must be a non-empty list")
-        try:
-            ids = llm.chat_prompt(messages)["prompt_token_ids"]
-        except ValueError as e:
-            raise OllamaError(400, str(e)) from None
-        return await _serve(loop, llm, body, ids, chat=True, model=served_model)
+        return await _serve(engine, body, ("chat", messages), chat=True, model=served_model)
 
 
 async def _body(request: Request, served_model: str) -> dict:
@@ -86,21 +82,22 @@ def _sampling_params(options: dict) -> SamplingParams:
         raise OllamaError(400, str(e)) from None
 
 
-async def _serve(loop: EngineLoop, llm, body: dict, prompt_ids: list[int], chat: bool, model: str):
+async def _serve(engine: EngineClient, body: dict, prompt: tuple, chat: bool, model: str):
     params = _sampling_params(body.get("options") or {})
+    started = time.monotonic_ns()
     try:
-        llm.llm_engine.validate_prompt(prompt_ids, params)
-    except ValueError as e:
-        raise OllamaError(400, str(e)) from None
-    started, stream = time.monotonic_ns(), loop.submit(prompt_ids, params)
+        stream, accepted = await engine.start(prompt, params)
+    except RuntimeError as e:  # the engine process is gone
+        raise OllamaError(503, str(e)) from None
+    if accepted.error is not None:
+        raise OllamaError(400, accepted.error)
     if body.get("stream", True):
-        hold = max((len(s) for s in params.stop_strings), default=1) - 1  # a stop string may still cut these
-        return StreamingResponse(_lines(loop, stream, chat, model, len(prompt_ids), started, hold),
+        return StreamingResponse(_lines(engine, stream, chat, model, accepted.prompt_tokens, started),
                                  media_type="application/x-ndjson")
     progress = await stream.last()
     if progress.error is not None:
         raise OllamaError(400, progress.error)
-    return _line(chat, model, progress.completions[0].text, progress, len(prompt_ids), started, final=True)
+    return _line(chat, model, progress.completions[0].text, progress, accepted.prompt_tokens, started, final=True)
 
 
 def _line(chat: bool, model: str, text: str, progress: Progress, prompt_tokens: int, started: int,
@@ -115,9 +112,10 @@ def _line(chat: bool, model: str, text: str, progress: Progress, prompt_tokens: 
     return line
 
 
-async def _lines(loop: EngineLoop, stream, chat: bool, model: str, prompt_tokens: int, started: int, hold: int):
-    """NDJSON: a line a step with the text it added (but its last `hold` characters), then the final line with the
-    counts. A client that goes away aborts the request."""
+async def _lines(engine: EngineClient, stream: RequestStream, chat: bool, model: str, prompt_tokens: int,
+                 started: int):
+    """NDJSON: a line a step with the text it added, then the final line with the counts. A client that goes away
+    aborts the request."""
     sent, finished = 0, False
     try:
         async for progress in stream:
@@ -129,20 +127,18 @@ async def _lines(loop: EngineLoop, stream, chat: bool, model: str, prompt_tokens
                 if completion.text[sent:]:
                     yield json.dumps(_line(chat, model, completion.text[sent:], progress, prompt_tokens, started)) + "\n"
                 yield json.dumps(_line(chat, model, "", progress, prompt_tokens, started, final=True)) + "\n"
-            elif len(completion.text) - hold > sent:
-                end = len(completion.text) - hold
-                yield json.dumps(_line(chat, model, completion.text[sent:end], progress, prompt_tokens, started)) + "\n"
-                sent = end
+            elif len(completion.text) > sent:
+                yield json.dumps(_line(chat, model, completion.text[sent:], progress, prompt_tokens, started)) + "\n"
+                sent = len(completion.text)
         finished = True
     finally:
         if not finished:
-            loop.abort(stream)
+            engine.abort(stream)
 
 
-def _details(llm) -> dict:
-    mc = llm.llm_engine.model_config
-    return {"format": mc.format, "family": mc.hf_config.model_type, "families": [mc.hf_config.model_type],
-            "parameter_size": "", "quantization_level": mc.quantization or str(mc.dtype).removeprefix("torch.")}
+def _details(info: dict) -> dict:
+    return {"format": info["format"], "family": info["model_type"], "families": [info["model_type"]],
+            "parameter_size": "", "quantization_level": info["quantization"]}
 
 
 def _now() -> str:

@@ -1,11 +1,13 @@
-"""The server's one engine loop: a thread that steps the engine while any request is unfinished, so that requests
-arriving at any time join the running batches and leave them when done. Handlers (on the asyncio loop) submit a
-request and read its progress from a queue: every completion's text and tokens so far, as views of the engine's own
-lists (no copy a step), all of a step's updates handed to the asyncio loop at once. A handler that falls behind
-reads only the newest update. Nothing but this thread touches the engine after start-up; adds and aborts reach it
-through its inbox."""
-import asyncio
-import itertools
+"""The server's engine side: one loop that steps the engine while any request is unfinished, so that requests
+arriving at any time join the running batches and leave them when done. It runs in a process of its own
+(entrypoints/openai/engine_client.py starts it): the HTTP handlers' work would otherwise take the interpreter from
+the engine's host loop, which the engine's throughput depends on.
+
+Commands arrive on a pipe: ("add", request id, prompt, params), ("abort", request id), ("stats",), ("close",). A
+prompt is ("ids", token ids), ("text", str) or ("chat", messages); the loop tokenizes it, checks it and answers
+with a first Delta (its token count, or the error). After each step one message carries every request's Delta:
+the text and tokens it gained since the last (the last characters that a stop string may still cut are held back
+until the request finishes)."""
 import queue
 import threading
 from dataclasses import dataclass
@@ -15,159 +17,150 @@ from nanovllm.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class Completion:
-    """A completion as one step left it: num_tokens tokens from ids[first] on. The engine's lists change only past
-    the tokens it has read back, so a view of them needs no copy."""
-
+class CompletionDelta:
     text: str
-    ids: list[int]
-    first: int
-    num_tokens: int
+    token_ids: list[int]
+    logprobs: list | None  # a dict (token id -> Logprob) a token, where the request asked for them
     finish_reason: str | None  # None while it runs
-    all_logprobs: list | None = None  # a dict (token id -> Logprob) a token, where the request asked for them
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.tokens_from(0)[0]
-
-    @property
-    def logprobs(self) -> list | None:
-        return self.tokens_from(0)[1]
-
-    def tokens_from(self, start: int) -> tuple[list[int], list | None]:
-        """(token ids, their logprobs or None) from the completion's start-th token on."""
-        logprobs = None if self.all_logprobs is None else self.all_logprobs[start:self.num_tokens]
-        return self.ids[self.first + start:self.first + self.num_tokens], logprobs
 
 
 @dataclass(frozen=True)
-class Progress:
-    """One request after a step: its completions so far, or the error that ended it."""
+class Delta:
+    """What a request gained in a step (the first: its prompt's token count and no completion, or its error)."""
 
-    completions: tuple[Completion, ...] = ()
+    request_id: str
+    completions: tuple[CompletionDelta, ...] = ()
     prompt_tokens: int = 0
     error: str | None = None
 
-    @property
-    def finished(self) -> bool:
-        return self.error is not None or all(c.finish_reason is not None for c in self.completions)
 
-
-class RequestStream:
-    """A request's progress as the engine loop reports it, read by one handler on the asyncio loop."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
-        self.request_id, self.loop = request_id, loop
-        self.queue: asyncio.Queue[Progress] = asyncio.Queue()
-
-    async def __aiter__(self):
-        """Each update, or where several wait, the newest (each holds everything before it)."""
-        while True:
-            progress = await self.queue.get()
-            while not self.queue.empty():
-                progress = self.queue.get_nowait()
-            yield progress
-            if progress.finished:
-                return
-
-    async def last(self) -> Progress:
-        """The request's final progress: its whole answer, or its error."""
-        progress = Progress()
-        async for progress in self:
-            pass
-        return progress
+def engine_info(llm) -> dict:
+    """What the routes show of the model."""
+    mc = llm.llm_engine.model_config
+    return {"max_model_len": mc.max_model_len, "architecture": mc.hf_config.architectures[0],
+            "model_type": mc.hf_config.model_type, "format": mc.format,
+            "quantization": mc.quantization or str(mc.dtype).removeprefix("torch.")}
 
 
 class EngineLoop:
-    def __init__(self, llm):
-        self.llm, self.engine = llm, llm.llm_engine
+    def __init__(self, llm, send):
+        """send(message): to the server; a step's deltas as a list, or a command's answer."""
+        self.llm, self.engine, self.send = llm, llm.llm_engine, send
         self.inbox: queue.Queue = queue.Queue()
-        self.streams: dict[str, RequestStream] = {}
-        self.ids = itertools.count()
-        self.closed = False
-        self.event_loop: asyncio.AbstractEventLoop | None = None  # the server's, where the streams are read
-        self.thread = threading.Thread(target=self._run, daemon=True, name="nanovllm-engine-loop")
-        self.thread.start()
+        self.sent: dict[str, list[list[int]]] = {}  # request id -> per completion [characters, tokens] sent
+        self.hold: dict[str, int] = {}  # request id -> characters a stop string may still cut
+        self.max_batch = 0  # the most sequences a step has run (stats)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request (already validated: validate_prompt) and return its stream."""
-        stream = RequestStream(f"srv-{next(self.ids)}", asyncio.get_running_loop())
-        self.event_loop = stream.loop
-        self.inbox.put(("add", stream, prompt_ids, params))
-        return stream
-
-    def abort(self, stream: RequestStream):
-        """Stop a request (its client went away) and free its blocks."""
-        self.inbox.put(("abort", stream, None, None))
-
-    def close(self):
-        self.closed = True
-        self.inbox.put(("close", None, None, None))
-        self.thread.join(timeout=10)
-
-    def _run(self):
-        while not self.closed:
+    def run(self):
+        while True:
             busy = self.engine.has_unfinished_requests() or self.engine._in_flight is not None
-            self._take_inbox(block=not busy)
+            if not self._take_inbox(block=not busy):
+                return
             if not (self.engine.has_unfinished_requests() or self.engine._in_flight is not None):
                 continue
+            self.max_batch = max(self.max_batch, len(self.engine.scheduler.running))
             try:
                 finished = {out.request_id: out for out in self.engine.step()}
             except Exception as e:  # noqa: BLE001 - the step's requests fail with it; the loop serves the next ones
                 logger.exception("an engine step failed")
                 self._fail_all(f"the engine step failed: {e}")
                 continue
-            updates = []
-            for request_id, stream in list(self.streams.items()):
-                progress = self._progress(request_id, finished.get(request_id))
-                if progress is not None:
-                    updates.append((stream, progress))
-                    if progress.finished:
-                        del self.streams[request_id]
-            self._deliver(updates)
+            deltas = [d for request_id in list(self.sent) if (d := self._delta(request_id, finished)) is not None]
+            if deltas:
+                self.send(deltas)
 
-    def _deliver(self, updates: list[tuple[RequestStream, Progress]]):
-        """One wake-up of the asyncio loop for all of a step's updates."""
-        if updates:
-            self.event_loop.call_soon_threadsafe(_put_all, updates)
-
-    def _take_inbox(self, block: bool):
+    def _take_inbox(self, block: bool) -> bool:
+        """Run the commands waiting (wait for one if block); False on close."""
         while True:
             try:
-                kind, stream, prompt_ids, params = self.inbox.get(block=block)
+                command = self.inbox.get(block=block)
             except queue.Empty:
-                return
+                return True
             block = False
+            kind = command[0]
             if kind == "add":
-                try:
-                    self.engine.add_request(stream.request_id, prompt_ids, params)
-                    self.streams[stream.request_id] = stream
-                except ValueError as e:
-                    self._deliver([(stream, Progress(error=str(e)))])
-            elif kind == "abort" and self.streams.pop(stream.request_id, None) is not None:
-                self.engine.abort_request(stream.request_id)
+                self._add(*command[1:])
+            elif kind == "abort" and self.sent.pop(command[1], None) is not None:
+                self.engine.abort_request(command[1])
+            elif kind == "stats":
+                bm = self.engine.block_manager
+                self.send({"unfinished": self.engine.has_unfinished_requests(), "max_batch": self.max_batch,
+                           "free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks})
+            elif kind == "close":
+                return False
 
-    def _progress(self, request_id: str, output) -> Progress | None:
+    def _add(self, request_id: str, prompt: tuple, params: SamplingParams):
+        try:
+            ids = self._tokenize(prompt)
+            self.engine.add_request(request_id, ids, params)
+        except ValueError as e:
+            self.send([Delta(request_id, error=str(e))])
+            return
+        self.sent[request_id] = [[0, 0] for _ in range(params.n)]
+        self.hold[request_id] = max((len(s) for s in params.stop_strings), default=1) - 1
+        self.send([Delta(request_id, prompt_tokens=len(ids))])
+
+    def _tokenize(self, prompt: tuple) -> list[int]:
+        kind, value = prompt
+        if kind == "text":
+            return self.llm.get_tokenizer()(value).input_ids
+        if kind == "chat":
+            return self.llm.chat_prompt(value)["prompt_token_ids"]
+        return value
+
+    def _delta(self, request_id: str, finished: dict) -> Delta | None:
+        """What the request gained since its last delta (None: nothing; a finished request is forgotten)."""
+        output, sent = finished.get(request_id), self.sent[request_id]
         if output is not None:
-            return Progress(tuple(Completion(c.text, c.token_ids, 0, len(c.token_ids), c.finish_reason, c.logprobs)
-                                  for c in output.outputs),
-                            len(output.prompt_token_ids))
-        request = self.engine.requests.get(request_id)
-        if request is None:
+            completions = [(c.text, c.token_ids[n:], c.logprobs[n:] if c.logprobs is not None else None,
+                            c.finish_reason) for c, (_, n) in zip(output.outputs, sent)]
+        elif (request := self.engine.requests.get(request_id)) is not None:
+            completions = [(s.text, s.token_ids[s.num_prompt_tokens + n:len(s.token_ids) - s.num_placeholders],
+                            s.output_logprobs[n:] if s.params.logprobs is not None else None, s.finish_reason)
+                           for s, (_, n) in zip(request.seqs, sent)]
+        else:
             return None
-        return Progress(tuple(Completion(s.text, s.token_ids, s.num_prompt_tokens,
-                                         len(s.token_ids) - s.num_prompt_tokens - s.num_placeholders, s.finish_reason,
-                                         s.output_logprobs if s.params.logprobs is not None else None)
-                              for s in request.seqs),
-                        len(request.prompt_token_ids))
+        hold, gained = self.hold[request_id], []
+        for (text, new_ids, new_logprobs, reason), counts in zip(completions, sent):
+            end = len(text) if reason is not None else max(counts[0], len(text) - hold)
+            gained.append(CompletionDelta(text[counts[0]:end], new_ids, new_logprobs, reason))
+            counts[:] = end, counts[1] + len(new_ids)
+        if output is not None:
+            del self.sent[request_id], self.hold[request_id]
+        elif not any(g.text or g.token_ids for g in gained):
+            return None
+        return Delta(request_id, tuple(gained))
 
     def _fail_all(self, message: str):
-        for request_id in self.streams:
+        for request_id in self.sent:
             self.engine.abort_request(request_id)
-        self._deliver([(stream, Progress(error=message)) for stream in self.streams.values()])
-        self.streams.clear()
+        self.send([Delta(request_id, error=message) for request_id in self.sent])
+        self.sent.clear()
+        self.hold.clear()
 
 
-def _put_all(updates: list[tuple[RequestStream, Progress]]):
-    for stream, progress in updates:
-        stream.queue.put_nowait(progress)
+def run_engine_process(model: str, engine_kwargs: dict, conn):
+    """The engine process: build the engine, say what it serves, then run the loop; commands come in on a thread
+    (it waits on the pipe, not holding the interpreter)."""
+    from nanovllm import LLM
+
+    try:
+        llm = LLM(model, **engine_kwargs)
+    except Exception as e:  # noqa: BLE001 - the server reports it and exits
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+        return
+    loop = EngineLoop(llm, conn.send)
+    conn.send(engine_info(llm))
+
+    def receive():
+        while True:
+            try:
+                command = conn.recv()
+            except EOFError:  # the server went away
+                command = ("close",)
+            loop.inbox.put(command)
+            if command[0] == "close":
+                return
+
+    threading.Thread(target=receive, daemon=True, name="nanovllm-engine-commands").start()
+    loop.run()

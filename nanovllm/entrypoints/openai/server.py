@@ -2,11 +2,11 @@
 beside it (entrypoints/ollama.py).
 
 Routes: /v1/completions and /v1/chat/completions (`stream` as server-sent events, `stream_options.include_usage`),
-/v1/models, /health. Every request joins the engine's running batches through one engine loop
-(entrypoints/openai/engine_loop.py); a client that goes away mid-stream aborts its request. With --api-key (or
+/v1/models, /health. Every request joins the engine's running batches through one engine loop, which runs in a
+process of its own (entrypoints/openai/engine_loop.py, engine_client.py); a client that goes away mid-stream aborts
+its request. With --api-key (or
 NANOVLLM_API_KEY) every /v1 and /api route needs `Authorization: Bearer KEY`; without one the server binds 127.0.0.1 unless
 --host says otherwise. Errors are OpenAI's JSON: {"error": {"message", "type", "param", "code"}}."""
-import contextlib
 import hmac
 import json
 import os
@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from nanovllm.entrypoints.ollama import add_ollama_routes
-from nanovllm.entrypoints.openai.engine_loop import EngineLoop, Progress
+from nanovllm.entrypoints.openai.engine_client import EngineClient, Progress, RequestStream
 from nanovllm.entrypoints.openai_batch import SAMPLING_FIELDS
 from nanovllm.entrypoints.request_body import json_object
 from nanovllm.logger import logger
@@ -40,16 +40,8 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
 
 
-def build_app(llm, served_model: str, api_key: str | None = None) -> FastAPI:
-    loop = EngineLoop(llm)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_):
-        yield
-        loop.close()
-
-    app = FastAPI(title="nanovllm", lifespan=lifespan)
-    app.state.engine_loop = loop
+def build_app(engine: EngineClient, served_model: str, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="nanovllm")
 
     @app.middleware("http")
     async def check_key(request: Request, call_next):
@@ -71,7 +63,7 @@ def build_app(llm, served_model: str, api_key: str | None = None) -> FastAPI:
     async def validation_error(_, e: RequestValidationError):
         return _error(400, f"the request body is not valid JSON: {e.errors()[:1]}")
 
-    add_ollama_routes(app, loop, llm, served_model)
+    add_ollama_routes(app, engine, served_model)
 
     @app.get("/health")
     async def health():
@@ -80,19 +72,19 @@ def build_app(llm, served_model: str, api_key: str | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served_model, "object": "model", "created": int(time.time()),
-                                            "owned_by": "nanovllm", "max_model_len": llm.llm_engine.model_config.max_model_len}]}
+                                            "owned_by": "nanovllm", "max_model_len": engine.info["max_model_len"]}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await _body(request, COMPLETION_FIELDS, served_model)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = prompt
+            prompt = ("ids", prompt)
         elif isinstance(prompt, str):
-            ids = llm.get_tokenizer()(prompt).input_ids
+            prompt = ("text", prompt)
         else:
             raise APIError(400, "prompt must be a string or a list of token ids", "prompt")
-        return await _serve(loop, llm, body, ids, chat=False, model=served_model)
+        return await _serve(engine, body, prompt, chat=False, model=served_model)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -100,11 +92,7 @@ def build_app(llm, served_model: str, api_key: str | None = None) -> FastAPI:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise APIError(400, "messages must be a non-empty list", "messages")
-        try:
-            ids = llm.chat_prompt(messages)["prompt_token_ids"]
-        except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
-        return await _serve(loop, llm, body, ids, chat=True, model=served_model)
+        return await _serve(engine, body, ("chat", messages), chat=True, model=served_model)
 
     return app
 
@@ -133,17 +121,18 @@ def _sampling_params(body: dict, chat: bool) -> SamplingParams:
         raise APIError(400, str(e), next((k for k in body if k in SAMPLING_FIELDS and k in str(e)), None)) from None
 
 
-async def _serve(loop: EngineLoop, llm, body: dict, prompt_ids: list[int], chat: bool, model: str):
+async def _serve(engine: EngineClient, body: dict, prompt: tuple, chat: bool, model: str):
     params = _sampling_params(body, chat)
     try:
-        llm.llm_engine.validate_prompt(prompt_ids, params)
-    except ValueError as e:
-        raise APIError(400, str(e), "messages" if chat else "prompt") from None
-    stream = loop.submit(prompt_ids, params)
-    reply = _Reply(chat, model, len(prompt_ids), params)
+        stream, accepted = await engine.start(prompt, params)
+    except RuntimeError as e:  # the engine process is gone
+        raise APIError(503, str(e), kind="server_error") from None
+    if accepted.error is not None:
+        raise APIError(400, accepted.error, "messages" if chat else "prompt")
+    reply = _Reply(chat, model, accepted.prompt_tokens, params)
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_events(loop, stream, reply, include_usage), media_type="text/event-stream")
+        return StreamingResponse(_events(engine, stream, reply, include_usage), media_type="text/event-stream")
     progress = await stream.last()
     if progress.error is not None:
         raise APIError(400, progress.error)
@@ -158,7 +147,6 @@ class _Reply:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.sent = [0] * params.n  # characters streamed a completion
-        self.hold = max((len(s) for s in params.stop_strings), default=1) - 1  # a stop string may still cut these
         self.done = [False] * params.n
         self.sent_tokens = [0] * params.n  # tokens whose logprobs went out, a completion
         self.top = params.logprobs or 0  # alternatives a token in the logprobs
@@ -188,8 +176,7 @@ class _Reply:
         for i, c in enumerate(progress.completions):
             if self.done[i]:
                 continue
-            end = len(c.text) if c.finish_reason is not None else max(self.sent[i], len(c.text) - self.hold)
-            delta, self.sent[i] = c.text[self.sent[i]:end], end
+            delta, self.sent[i] = c.text[self.sent[i]:], len(c.text)
             self.done[i] = c.finish_reason is not None
             if not delta and not self.done[i]:
                 continue
@@ -243,7 +230,7 @@ def _completion_logprobs(completion, k: int) -> dict | None:
             "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
 
 
-async def _events(loop: EngineLoop, stream, reply: _Reply, include_usage: bool):
+async def _events(engine: EngineClient, stream: RequestStream, reply: _Reply, include_usage: bool):
     """Server-sent events: the chat role first, then the deltas as the steps produce them, [DONE] last. A client that
     goes away (the generator is closed) aborts the request."""
     finished = False
@@ -266,21 +253,23 @@ async def _events(loop: EngineLoop, stream, reply: _Reply, include_usage: bool):
         yield "data: [DONE]\n\n"
     finally:
         if not finished:
-            loop.abort(stream)
+            engine.abort(stream)
 
 
 def serve(args) -> int:
     """Run the server until interrupted."""
     import uvicorn
 
-    from nanovllm import LLM
     from nanovllm.entrypoints.engine_flags import engine_kwargs
 
     api_key = args.api_key or os.environ.get("NANOVLLM_API_KEY")
     host = args.host or ("0.0.0.0" if api_key else "127.0.0.1")
     if api_key is None and args.host is None:
         logger.info("no --api-key: serving on 127.0.0.1 only (pass --host to listen elsewhere)")
-    llm = LLM(args.model, **engine_kwargs(args))
-    uvicorn.run(build_app(llm, args.served_model_name or args.model, api_key), host=host, port=args.port,
-                log_level="warning")
+    engine = EngineClient(args.model, engine_kwargs(args))
+    try:
+        uvicorn.run(build_app(engine, args.served_model_name or args.model, api_key), host=host, port=args.port,
+                    log_level="warning")
+    finally:
+        engine.close()
     return 0
