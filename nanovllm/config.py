@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from nanovllm.logger import log_once
+from nanovllm.models.registry import DENSE_WEIGHTS_ONLY
 from nanovllm.platform import default_block_size, why_no_fp8
 from nanovllm.rope_scaling import rope_parameters, scaled_max_positions
 from nanovllm.weights.model_files import LOAD_FORMATS, load_model_config
@@ -117,7 +118,7 @@ class Config:
         _require(self.load_format in LOAD_FORMATS, f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
                  f"{self.load_format!r}")
         hf_config, fmt = load_model_config(self.model, self.load_format)
-        quantization = self._resolve_quantization(fmt)
+        quantization = self._resolve_quantization(fmt, hf_config.architectures[0])
         dtype = self._resolve_dtype(hf_config, fmt, quantization)
         if self.block_size is None:
             self.block_size = default_block_size(self.device, self.attention_backend, dtype)
@@ -162,7 +163,7 @@ class Config:
             _require(torch.cuda.is_available(), "device='cuda' but torch sees no CUDA GPU; use device='cpu'")
         return device
 
-    def _resolve_quantization(self, fmt: str) -> str | None:
+    def _resolve_quantization(self, fmt: str, architecture: str) -> str | None:
         q = self.quantization
         _require(q in (None, "gguf", "none", *AT_LOAD),
                  f"quantization must be None, 'gguf', 'none', 'fp8', 'int8' or 'int4', got {q!r}")
@@ -175,10 +176,15 @@ class Config:
         if q == "gguf":
             _require(fmt == "gguf", f"quantization='gguf' needs a .gguf model file; {self.model} is {fmt}")
         if q is None and fmt == "gguf":
-            q = "gguf" if self.device != "cpu" else None
-            if q is None:
-                log_once("GGUF on CPU: weights dequantized to fp32 at load, the fastest CPU path here; "
-                         "quantization='gguf' keeps them quantized in RAM", logging.DEBUG)
+            if architecture in DENSE_WEIGHTS_ONLY:
+                q = "none"
+                log_once(f"{architecture} takes no quantized weights yet: the GGUF file's weights are dequantized "
+                         "at load")
+            elif self.device != "cpu":
+                q = "gguf"
+            else:  # bf16 activations (quant/cpu_int4.py) give other greedy tokens than HF's fp32 on SmolLM2
+                log_once("GGUF on CPU: weights dequantized to fp32 at load (HF's greedy tokens); quantization='gguf' "
+                         "keeps them quantized, faster and in less memory, with bf16 activations", logging.DEBUG)
         return None if q == "none" else q
 
     def _resolve_dtype(self, hf_config, fmt: str, quantization: str | None) -> torch.dtype:
@@ -186,7 +192,7 @@ class Config:
             dtype = self.dtype
         elif self.dtype == "auto":
             if self.device == "cpu":
-                dtype = torch.float32  # CPUs here lack fast bf16 matmul; fp32 is also exact vs HF
+                dtype = torch.float32  # exact vs HF (bf16 breaks SmolLM2's near ties other ways than fp32)
             else:
                 dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
                 dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype

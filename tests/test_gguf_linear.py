@@ -38,14 +38,20 @@ def qkv_layer(types: tuple[str, str, str], device: str, dtype: torch.dtype, bias
     return layer, torch.cat(dense).to(device), path
 
 
-@pytest.mark.parametrize("types,pieces", [(("Q4_0",) * 3, 1), (("Q4_K", "Q8_0", "Q6_K"), 3),
-                                          (("Q5_1", "Q5_1", "Q2_K"), 2)])
+@pytest.mark.parametrize("types", [("Q4_0", "Q4_1", "Q4_K"), ("Q4_K", "Q8_0", "Q6_K"), ("Q5_1", "Q5_1", "Q2_K")])
 @pytest.mark.parametrize("rows", [1, 40])
-def test_cpu_layer_matches_the_dequantized_weight(types, pieces, rows):
-    layer, dense, _ = qkv_layer(types, "cpu", torch.float32, bias=True)
-    assert len(layer.qweights) == pieces and layer.weight is None  # same types stacked, kept quantized
+def test_cpu_layer_matches_the_dequantized_weight(types, rows):
+    """CPU: 4-bit shards in torch's int4 layout, the others bf16, bf16 activations (quant/cpu_int4.py)."""
+    layer, dense, path = qkv_layer(types, "cpu", torch.float32, bias=True)
+    assert len(layer.cpu_pieces) == 3 and layer.weight is None
+    for type_name in types:
+        assert f"{type_name}: " + ("int4 packed" if type_name.startswith("Q4") else "dequantized to bf16") in path
+    held = torch.cat([w.dequantize() if hasattr(w, "dequantize") else w.float() for _, w in layer.cpu_pieces])
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(layer(x), F.linear(x, dense, layer.bias), atol=1e-4, rtol=1e-4)
+    got, want = layer(x), F.linear(x, dense, layer.bias)
+    assert got.dtype == torch.float32  # the model's: only the matmul runs in bf16
+    # bf16 scales, zeros and activations: each ~2^-9 relative; a wrong nibble or scale order would be ~1
+    assert (held - dense).norm() / dense.norm() < 1e-2 and (got - want).norm() / want.norm() < 1e-2
 
 
 @pytest.mark.gpu
@@ -82,12 +88,18 @@ def greedy(llm, n: int = 24) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K", "Q8_0"])
-def test_cpu_model_kept_quantized_generates_as_dequantized(tmp_path, donor, type_name):
+def test_cpu_model_kept_quantized_scores_as_dequantized(tmp_path, donor, type_name):
+    """Kept quantized on CPU (quant/cpu_int4.py: bf16 activations, scales and zeros) against the file dequantized to
+    fp32: each prompt token's logprob within bf16's error (random weights make near ties that bf16 breaks otherwise:
+    greedy tokens are not compared)."""
     path = str(write_gguf(SMALL, type_name, str(tmp_path / f"small-{type_name}.gguf"), tokenizer=donor))
-    runs = {q: greedy(LLM(path, device="cpu", quantization=q, kv_cache_memory_bytes=16 << 20)) for q in ("gguf", "none")}
-    assert runs["gguf"] == runs["none"]
+    prompt = {"prompt_token_ids": [(7 * i) % 900 + 3 for i in range(60)]}
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    got, want = (LLM(path, device="cpu", quantization=q, kv_cache_memory_bytes=16 << 20).generate(
+        prompt, params, use_tqdm=False)[0].prompt_logprobs[1:] for q in ("gguf", "none"))
+    errors = [abs(g[t].logprob - w[t].logprob) for g, w, t in zip(got, want, prompt["prompt_token_ids"][1:])]
+    assert max(errors) < 0.1, max(errors)  # measured: at most 0.07 (Q4_K: its zeros rounded to bf16); a bug: ~1
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:

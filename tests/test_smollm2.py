@@ -69,11 +69,20 @@ def test_chat_answers_sensibly(llm):
     assert "<|im_end|>" not in out.outputs[0].text
 
 
-def test_kept_in_q4_1_it_generates_the_dequantized_tokens(llm, smollm2_path):
+def test_kept_in_q4_1_it_scores_as_the_dequantized_model(llm, smollm2_path):
+    """quantization="gguf" on CPU (4-bit weights packed for torch's int4 matmul, bf16 activations): prompt logprobs
+    within 0.2 of fp32's, and greedy tokens the same up to the first difference for most of the answers (measured
+    2026-11-28: 82% of the tokens; two of nine answers part at their 6th token, where fp32's top two are 0.08 apart)."""
     kept = LLM(smollm2_path, device="cpu", quantization="gguf", max_model_len=1024)
+    prompt = {"prompt_token_ids": kept.chat_prompt([{"role": "user", "content": QUESTIONS[0]}])["prompt_token_ids"]}
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    got, want = (m.generate(prompt, scored, use_tqdm=False)[0].prompt_logprobs[1:] for m in (kept, llm))
+    ids = prompt["prompt_token_ids"][1:]
+    assert max(abs(g[t].logprob - w[t].logprob) for g, w, t in zip(got, want, ids)) < 0.2
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm.generate(QUESTIONS[:4], params, use_tqdm=False)]
-    assert [o.outputs[0].token_ids for o in kept.generate(QUESTIONS[:4], params, use_tqdm=False)] == want
+    a, b = ([o.outputs[0].token_ids for o in m.generate(QUESTIONS, params, use_tqdm=False)] for m in (kept, llm))
+    same = sum(next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(a, b))
+    assert same / sum(len(s) for s in b) >= 0.7
 
 
 RSS_PROBE = """

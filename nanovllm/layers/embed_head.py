@@ -45,7 +45,13 @@ class VocabEmbedding(CustomOp):
         if self.qweight is not None:
             rows = self.qweight.map_rows(lambda field: field.index_select(0, token_ids.reshape(-1)))
             return rows.dequantize().to(self.quant_config.dtype).view(*token_ids.shape, self.qweight.shape[1])
-        return F.embedding(token_ids, self.weight)
+        table = F.embedding(token_ids, self.weight)
+        return table if self.quant_config is None else table.to(self.quant_config.dtype)
+
+    def share_table(self, table: torch.Tensor):
+        """After loading: the tied LM head's dense table (its quantized method made it) serves the lookups too, in
+        place of the file's blocks."""
+        self.weight, self.qweight = nn.Parameter(table, requires_grad=False), None
 
     def forward_triton(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None or tp_size() > 1:
@@ -78,6 +84,7 @@ class LMHead(nn.Module):
     def tie(self, embedding: VocabEmbedding):
         """After loading: a quantized method takes the embedding's table as it was loaded."""
         if not isinstance(self.linear_method, UnquantizedLinearMethod):
+            self.tied_embedding = embedding
             self.linear_method.create_weights(self, bias=False)
             loaded = embedding.qweight if embedding.qweight is not None else embedding.weight
             self.linear_method.load_weight(self, self.weight, loaded)

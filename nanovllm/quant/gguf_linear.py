@@ -1,6 +1,7 @@
 """GGUF weights kept quantized in memory (quantization="gguf"): each projection holds its file's blocks
 (quant.gguf_weight.GGUFWeight) and multiplies through the Triton dequant-GEMV for a few rows on CUDA, else through
-its torch twin (dequantize a slice of rows, then a dense matmul). A layer whose type has no kernel here is
+its torch twin (dequantize a slice of rows, then a dense matmul). On CPU the blocks become torch's CPU layouts at
+load instead (quant/cpu_int4.py). A layer whose type has no kernel here is
 dequantized at load, and the log says so in the table of which kernel serves which layer.
 
 quantization="int4" runs the same path: each 16-bit projection is quantized at load into INT4_G128 blocks
@@ -34,10 +35,14 @@ class GGUFConfig(QuantizationConfig):
                 self.gemv, self.gemv_rows = gguf_gemv.gguf_gemv, gguf_gemv.MAX_ROWS
                 self.dequantize = gguf_gemv.gguf_dequantize
                 self.one_row = gguf_gemv_one_row if gguf_gemv_one_row.why_off(device) is None else None
-        else:  # the torch twin serves every format on CPU
+        else:  # CPU: quant/cpu_int4.py's forms
             self.kept_types = tuple(name for name, fmt in BLOCK_FORMATS.items() if fmt.block_size > 1)
 
-    def linear_method(self) -> "GGUFLinearMethod":
+    def linear_method(self) -> LinearMethod:
+        if self.device.type == "cpu":
+            from nanovllm.quant.cpu_int4 import CpuGGUFLinearMethod
+
+            return CpuGGUFLinearMethod(self, GGUFLinearMethod(self))
         return GGUFLinearMethod(self)
 
     def describe(self) -> str:

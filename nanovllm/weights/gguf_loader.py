@@ -175,3 +175,7 @@ def iterate_gguf(path: str, hf_config, keep_quantized: bool = False) -> Iterator
                 yield from gguf_hybrid.hf_tensors(name, tensor, hf_config, tiled=arch != "qwen3next")
             else:
                 yield name, tensor
+    # the weights are read: let the reader go (it holds a numpy view of every metadata item, ~100 MB of Python
+    # objects for a 49K-token vocabulary, and its map of the file)
+    del reader
+    open_gguf.cache_clear()
