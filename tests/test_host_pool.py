@@ -147,6 +147,29 @@ def test_context_beyond_the_device_blocks_runs_offloaded(tiny_model_dir, prefix_
     assert_no_leaks(llm)
 
 
+def test_offloaded_sequences_decode_together(tiny_model_dir):
+    """4 prompts of 150-300 tokens on 6 device blocks (96 tokens), finishing at different steps: they run in the same
+    steps, two or more with leading blocks in the pool (not one at a time, the others preempted), with the tokens
+    and logprobs of a device that holds everything; both tiers free after."""
+    prompts = [[(7 * i + 13 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((300, 150, 220, 180))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (24, 9, 17, 30)]
+    kw = dict(device=DEVICE, dtype="float32", max_model_len=512, block_size=16)
+    roomy = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=128, **kw)
+    want = [o.outputs[0] for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    llm = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=6, kv_offloading_size=0.01, **kw)
+    engine, got, together = llm.llm_engine, {}, 0
+    for i, (prompt, sampling) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, sampling)
+    while engine.has_unfinished_requests() or engine._in_flight is not None:
+        together = max(together, sum(bool(s.host_blocks) for s in engine.scheduler.running))
+        got.update((out.request_id, out.outputs[0]) for out in engine.step())
+    assert together >= 2 and engine.scheduler.num_preemptions == 0
+    for i, w in enumerate(want):
+        assert got[str(i)].token_ids == w.token_ids
+        assert got[str(i)].cumulative_logprob == pytest.approx(w.cumulative_logprob, rel=1e-4, abs=1e-4)
+    assert_no_leaks(llm)
+
+
 def test_without_a_host_pool_the_device_must_hold_max_model_len(tiny_model_dir):
     with pytest.raises(ValueError, match="fewer than max_model_len=512"):
         LLM(tiny_model_dir("tiny-llama"), device=DEVICE, max_model_len=512, block_size=16, num_gpu_blocks_override=6)

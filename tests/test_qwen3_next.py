@@ -100,19 +100,12 @@ def test_on_the_gpu_decode_graphs_and_fla_prefill_match_hf(next_model, monkeypat
         if ("delta_rule" in name or "conv1d" in name) and hasattr(function, "__wrapped__"):
             monkeypatch.setattr(hf_module, name, inspect.unwrap(function))
     hf = HFQwen3Next.from_pretrained(next_model, dtype=torch.float32).eval()
-    prompts = _prompts((1, 5, 37, 80, 130))
-    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16, logprobs=1)
     for chunk in (512, 48):  # whole prompts; prompts in chunks of a step's 48 tokens
         llm = LLM(next_model, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8,
                   kv_cache_memory_bytes=16 << 20, max_num_batched_tokens=chunk)
         runner = llm.llm_engine.model_runner
         assert runner.graphs is not None and runner.prefill_graphs is None
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        for prompt, out in zip(prompts, outputs):
-            tokens, step_logprobs = hf_greedy(hf, prompt, 16)
-            assert out.outputs[0].token_ids == tokens
-            for entry, ref, token in zip(out.outputs[0].logprobs, step_logprobs, tokens):
-                assert abs(entry[token].logprob - ref[token].item()) < 2e-3
+        assert_greedy_matches_hf(llm, hf, _prompts((1, 5, 37, 80, 130)), 16, tol=2e-3)
         assert runner.graphs.replays > 0
         assert llm.llm_engine.block_manager.state_slots.num_free == 8
 

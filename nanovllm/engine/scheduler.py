@@ -22,9 +22,10 @@ class Scheduler:
     waiting ones while the token budget and free blocks last. When blocks run out, the newest running
     sequence is preempted and goes back to the head of the queue: its KV dropped, to be recomputed, or, with the
     block manager's host pool where the copy is cheaper, copied to host memory and back when it resumes. With a host
-    pool, a sequence that runs alone and outgrows the GPU moves its own leading blocks there instead of being
-    preempted (kvcache/offload_engine.py attends to them; those steps run eagerly, so a batch under KV pressure
-    preempts its newest sequences first, as without the pool), and no chunk asks for more blocks than the GPU has.
+    pool, running sequences whose KV outgrows the GPU on its own move their leading blocks there instead of being
+    preempted, and one waiting is admitted while the pool takes the blocks it needs room for: they decode together
+    (kvcache/offload_engine.py attends to every such sequence of a step through one ring, in steps that run
+    eagerly); no chunk asks for more blocks than the GPU has.
     A prompt running alone whose KV outgrows the GPU is instead prefilled in one step, a layer at a time, its KV going
     to the pool (kvcache/layer_major.py)."""
 
@@ -63,7 +64,7 @@ class Scheduler:
                 break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget, self._max_chunk)
             while not self.block_manager.allocate_slots(seq, num_new):
-                if len(self.running) == 1 and (fit := self._offload_for(seq, num_new)):
+                if fit := self._offload_for(seq, num_new):
                     num_new = fit
                     continue
                 self._preempt(self.running.pop())
@@ -83,10 +84,12 @@ class Scheduler:
             elif not self.running and not scheduled and self._prefill_to_host(seq):
                 budget = 0
             else:
-                hits = self.block_manager.find_cached_blocks(seq)
-                num_new = min(seq.num_tokens - hits.num_blocks * self.block_manager.block_size, budget,
-                              self._max_chunk)
-                if not self.block_manager.allocate_slots(seq, num_new, hits):
+                hits, bs = self.block_manager.find_cached_blocks(seq), self.block_manager.block_size
+                num_new = min(seq.num_tokens - hits.num_blocks * bs, budget, self._max_chunk)
+                if not self.block_manager.allocate_slots(seq, num_new, hits) and not (
+                        self._outgrows_device(seq)
+                        and self._offload_running(self._blocks_short(hits.num_blocks * bs + num_new, hits.num_blocks))
+                        and self.block_manager.allocate_slots(seq, num_new, hits)):
                     break
                 seq.num_computed_tokens = seq.num_cached_tokens = hits.num_blocks * self.block_manager.block_size
                 seq.num_registered_blocks = len(hits.device_blocks)
@@ -157,16 +160,39 @@ class Scheduler:
         return True
 
     def _offload_for(self, seq: Sequence, num_new: int) -> int:
-        """How many of num_new tokens fit once seq's own leading blocks move to the host pool to make room (all of
-        them where enough blocks move); 0 where nothing helps."""
+        """How many of num_new tokens of running seq fit once running sequences' leading blocks move to the host pool
+        to make room (all of them where enough blocks move); 0 where nothing helps."""
         bm = self.block_manager
-        if self.host_pool is None:
-            return 0
-        needed = -(-(seq.num_computed_tokens + num_new) // bm.block_size) - len(seq.block_table) - bm.num_free_blocks
-        moved = bm.offload(seq, needed)
+        moved = self._offload_running(self._blocks_short(seq.num_computed_tokens + num_new, len(seq.block_table)))
         room = (len(seq.block_table) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
         fit = min(num_new, room)
         return fit if fit > 0 and (moved or fit < num_new) else 0
+
+    def _blocks_short(self, tokens: int, held: int) -> int:
+        """Device blocks missing for a sequence of `tokens` tokens past the `held` it has and the free ones."""
+        bm = self.block_manager
+        return -(-tokens // bm.block_size) - held - bm.num_free_blocks
+
+    def _offload_running(self, num_blocks: int) -> int:
+        """Move up to num_blocks leading device blocks of running sequences to the host pool: they keep decoding
+        together, each attending to its offloaded part through the ring (kvcache/offload_engine.py), rather than the
+        newest being preempted. Only sequences that outgrow the device on their own (or run alone): where they all fit
+        it, preempting one (swapped out or recomputed) moves its KV once, where offloading would stream it every step.
+        Sequences already offloaded first (fewer, longer streams), then the longest. Returns how many moved."""
+        moved = 0
+        if self.host_pool is None or num_blocks <= 0:
+            return 0
+        for seq in sorted(self.running, key=lambda s: (not s.host_blocks, -s.num_computed_tokens)):
+            if moved >= num_blocks:
+                break
+            if len(self.running) == 1 or self._outgrows_device(seq):
+                moved += self.block_manager.offload(seq, num_blocks - moved)
+        return moved
+
+    def _outgrows_device(self, seq: Sequence) -> bool:
+        """seq's KV is more than the device's blocks hold (or it already lies partly in the host pool)."""
+        bm = self.block_manager
+        return bool(seq.host_blocks) or seq.num_tokens > (bm.num_blocks - 1) * bm.block_size
 
     def _why_stalled(self) -> str:
         bm, bs = self.block_manager, self.block_manager.block_size
