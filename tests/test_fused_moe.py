@@ -93,3 +93,69 @@ def test_pairs_left_out_add_nothing(one_program, monkeypatch):
     want = _reference(x, w13, w2, kept_weights, ids)
     torch.testing.assert_close(fused_moe(x, w13, w2, weights, left_out, leaves_out=True), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(moe_sorted(x, w13, w2, weights, left_out), want, atol=1e-5, rtol=1e-5)
+
+
+def _q4k_experts(num_experts, hidden, inter, seed):
+    """gate, up [E x I, H] and down [E x H, I] as random Q4_K blocks."""
+    import numpy as np
+    from helpers import random_tensor
+
+    from nanovllm.quant.gguf_weight import GGUFWeight
+
+    rng = np.random.default_rng(seed)
+    shapes = [(num_experts * inter, hidden), (num_experts * inter, hidden), (num_experts * hidden, inter)]
+    return [GGUFWeight.from_blocks(torch.from_numpy(random_tensor("Q4_K", n, k, rng)), "Q4_K", (n, k)).to(DEVICE)
+            for n, k in shapes]
+
+
+@pytest.mark.parametrize("tokens,num_experts,top_k", [(1, 4, 2), (7, 5, 3), (40, 3, 2)])
+def test_q4_k_experts_equal_their_dequantized_loop(tokens, num_experts, top_k):
+    """The Q4_K kernels (kernels/fused_moe_q4k.py) against the per-expert loop over the dequantized blocks (fp32,
+    the interpreter on CPU; a pair left out where leaves_out)."""
+    from nanovllm.kernels.fused_moe_q4k import fused_moe_q4k
+
+    hidden, inter = 256, 512
+    gate, up, down = _q4k_experts(num_experts, hidden, inter, tokens)
+    w13 = torch.cat([gate.dequantize().view(num_experts, inter, hidden),
+                     up.dequantize().view(num_experts, inter, hidden)], 1)
+    w2 = down.dequantize().view(num_experts, hidden, inter)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE)
+    weights, ids = route_top_k(torch.randn(tokens, num_experts, generator=g), top_k, renormalize=True)
+    weights, ids = weights.to(DEVICE), ids.to(DEVICE)
+    want = moe_per_expert(x, w13.to(DEVICE), w2.to(DEVICE), weights, ids)
+    got = fused_moe_q4k(x, gate, up, down, weights, ids, num_experts)
+    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
+    ids[0, 0] = -1  # a pair left out: its expert not among these
+    want = moe_per_expert(x, w13.to(DEVICE), w2.to(DEVICE), weights * (ids >= 0), ids.clamp(min=0))
+    got = fused_moe_q4k(x, gate, up, down, weights, ids, num_experts, leaves_out=True)
+    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("tokens", [1, 16, 256])
+def test_q4_k_experts_at_qwen3_30b_a3b_shape(tokens):
+    """128 Q4_K experts of 2048 x 768, top 8, bf16 activations: the dequantized loop's output, eagerly and replayed
+    from a CUDA graph."""
+    from helpers import kernel_tol
+
+    from nanovllm.kernels.fused_moe_q4k import fused_moe_q4k
+
+    num_experts, hidden, inter = 128, 2048, 768
+    gate, up, down = _q4k_experts(num_experts, hidden, inter, tokens)
+    w13 = torch.cat([gate.dequantize().view(num_experts, inter, hidden),
+                     up.dequantize().view(num_experts, inter, hidden)], 1)
+    w2 = down.dequantize().view(num_experts, hidden, inter)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=g).to(DEVICE, torch.bfloat16)
+    weights, ids = (t.to(DEVICE) for t in route_top_k(torch.randn(tokens, num_experts, generator=g), 8, True))
+    want = moe_per_expert(x.float(), w13, w2, weights.float(), ids)
+    got = fused_moe_q4k(x, gate, up, down, weights.to(torch.bfloat16), ids, num_experts)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got.float() / scale, want / scale, **kernel_tol(torch.bfloat16))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fused_moe_q4k(x, gate, up, down, weights.to(torch.bfloat16), ids, num_experts)
+    graph.replay()
+    assert torch.equal(replayed, got)

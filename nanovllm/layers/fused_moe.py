@@ -70,8 +70,25 @@ class FusedMoE(CustomOp):
         if self.offload is not None:
             return self.offload.run(self, x, weights, ids)
         if self.quantized is not None:
+            if x.is_cuda:
+                from nanovllm.kernels.fused_moe_q4k import fused_moe_q4k
+
+                return fused_moe_q4k(x, *self.quantized.q4_k(), weights, ids, self.num_experts)
             return moe_sorted(x, *self.quantized.views(), weights, ids)
         return self.experts(x, self.w13, self.w2, weights, ids)
+
+    def settle_quantized(self):
+        """Once loaded: on CUDA, experts the fused kernels cannot read as blocks (types other than Q4_K) are
+        dequantized into w13 / w2, logged once."""
+        if self.quantized.device.type != "cuda" or self.quantized.q4_k() is not None:
+            return
+        from nanovllm.logger import log_once
+
+        log_once("experts of GGUF types other than Q4_K are dequantized at load (the fused MoE kernels read Q4_K "
+                 "blocks only)")
+        w13, w2 = self.quantized.dense()
+        self.w13, self.w2 = (nn.Parameter(w, requires_grad=False) for w in (w13, w2))
+        self.quantized = None
 
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.use_triton:

@@ -30,16 +30,17 @@ class Qwen3MoeSparseBlock(nn.Module):
     Qwen3.5), a shared expert every token runs, scaled by a sigmoid gate."""
 
     def __init__(self, config, quant_config=None):
-        """quant_config: a GGUF file's (GGUFConfig): on CPU its experts stay quantized, on CUDA they are dequantized
-        at load (the fused MoE kernels have no quantized form yet); the router and shared expert follow it."""
+        """quant_config: a GGUF file's (GGUFConfig): its experts stay in their blocks (quant/gguf_experts.py; on CUDA
+        dequantized once loaded unless all are Q4_K, and always where weights stream); the router and shared expert
+        follow it."""
         super().__init__()
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, linear_method=_linear_method(quant_config))
-        kept = quant_config is not None and quant_config.device.type == "cpu"
+        kept = quant_config is not None and quant_config.load_device is None
         with torch.device("meta") if kept else contextlib.nullcontext():  # kept quantized: no dense experts at all
             self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                     config.moe_intermediate_size, getattr(config, "norm_topk_prob", True))  # 3.5: always
         if kept:
-            self.experts.quantized = GGUFExperts(config.num_experts, self.experts.w13.dtype)
+            self.experts.quantized = GGUFExperts(config.num_experts, self.experts.w13.dtype, quant_config.device)
             self.experts.w13 = self.experts.w2 = None
         shared = getattr(config, "shared_expert_intermediate_size", 0)
         self.shared_expert = LlamaMLP(config, quant_config, intermediate_size=shared) if shared else None
@@ -96,7 +97,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             block.experts.quantized.load(match["proj"], tensor)
         else:
             if isinstance(tensor, GGUFWeight):  # every expert's rows of one projection, [experts x rows, cols]
-                log_once("the experts of a GGUF file are dequantized at load (no quantized fused MoE kernel yet)")
+                log_once("the experts of a GGUF file are dequantized at load where weights stream (the expert cache "
+                         "holds dense experts)")
                 tensor = tensor.dequantize().view(block.experts.num_experts, -1, tensor.shape[1])
             block.experts.load_expert(match["proj"], tensor, expert)
         block.loaded.add((expert, match["proj"]))
@@ -107,6 +109,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         for i, layer in enumerate(self.model.layers):
             if isinstance(layer.mlp, Qwen3MoeSparseBlock) and (missing := layer.mlp.missing_experts()):
                 raise ValueError(f"the checkpoint lacks {len(missing)} expert tensors of layer {i}, e.g. {missing[:3]}")
+            if isinstance(layer.mlp, Qwen3MoeSparseBlock) and layer.mlp.experts.quantized is not None:
+                layer.mlp.experts.settle_quantized()
 
 
 class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):

@@ -1,7 +1,8 @@
-"""A mixture's experts kept as their GGUF blocks (quantization="gguf" on CPU): each stacked projection of the file
-(gate, up, down, or gate_up) one GGUFWeight of [experts x rows, cols], and a step dequantizes only the experts it
-routes to (the torch twin; layers/fused_moe.moe_sorted takes these views as its weights). On CUDA the experts are
-dequantized at load for the fused MoE kernels, which have no quantized form yet."""
+"""A mixture's experts kept as their GGUF blocks: each stacked projection of the file (gate, up, down, or gate_up)
+one GGUFWeight of [experts x rows, cols]. On CUDA, where all three are Q4_K, the fused MoE kernels read them as they
+are (kernels/fused_moe_q4k.py); elsewhere on CUDA they are dequantized once loaded (dense()). On CPU a step
+dequantizes only the experts it routes to (the torch twin; layers/fused_moe.moe_sorted takes these views as its
+weights)."""
 import torch
 
 from nanovllm.quant.gguf_weight import GGUFWeight
@@ -24,8 +25,8 @@ class ExpertView:
 
 
 class GGUFExperts:
-    def __init__(self, num_experts: int, dtype: torch.dtype):
-        self.num_experts, self.dtype = num_experts, dtype
+    def __init__(self, num_experts: int, dtype: torch.dtype, device: torch.device):
+        self.num_experts, self.dtype, self.device = num_experts, dtype, device
         self.parts: dict[str, GGUFWeight] = {}
 
     def load(self, name: str, weight: GGUFWeight | torch.Tensor):
@@ -36,7 +37,22 @@ class GGUFExperts:
         if weight.shape[0] % self.num_experts:
             raise ValueError(f"expert tensor {name} has {weight.shape[0]} rows, not a multiple of the "
                              f"{self.num_experts} experts")
-        self.parts[name] = weight
+        self.parts[name] = weight.to(self.device)
+
+    def q4_k(self) -> tuple[GGUFWeight, GGUFWeight, GGUFWeight] | None:
+        """(gate, up, down) where all three are Q4_K blocks (the fused kernels' form), else None."""
+        parts = [self.parts.get(name) for name in ("gate_proj", "up_proj", "down_proj")]
+        return tuple(parts) if all(isinstance(p, GGUFWeight) and p.type_name == "Q4_K" for p in parts) else None
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E, 2I, H], w2 [E, H, I]) dequantized, in the dtype."""
+        w13, w2 = self.views()
+        return (torch.stack([w13[e] for e in range(self.num_experts)]),
+                torch.stack([w2[e] for e in range(self.num_experts)]))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes if isinstance(p, GGUFWeight) else p.numel() * p.element_size() for p in self.parts.values())
 
     def views(self) -> tuple[ExpertView, ExpertView]:
         """(w13, w2) for moe_sorted."""

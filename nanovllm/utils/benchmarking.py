@@ -99,10 +99,13 @@ def weight_bytes_per_step(model: torch.nn.Module, batch: int | None = None) -> i
         if table is not None and id(table) not in head:
             weights.pop(id(table), None)
     for module in model.modules():
+        if isinstance(module, FusedMoE) and module.quantized is not None:  # experts kept in their blocks
+            weights[id(module.quantized)] = module.quantized.nbytes
         if isinstance(module, FusedMoE) and batch is not None:
-            routed = 1 - (1 - module.top_k / module.w13.shape[0]) ** batch
-            for param in (module.w13, module.w2):
-                weights[id(param)] = int(weights[id(param)] * routed)
+            routed = 1 - (1 - module.top_k / module.num_experts) ** batch
+            for held in (module.w13, module.w2, module.quantized):
+                if held is not None:
+                    weights[id(held)] = int(weights[id(held)] * routed)
     return sum(weights.values())
 
 
