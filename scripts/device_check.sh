@@ -33,9 +33,13 @@ if [[ $what == tests || $what == tests2 || $what == all ]]; then  # the Triton k
     tests/test_quantize_at_load.py tests/test_synthetic_gguf.py
 fi
 if [[ $what == moe ]]; then  # mixtures of experts and hybrids: the fused kernels and graphs against their twins and HF
-  gpu_tests moe tests/test_fused_moe.py tests/test_qwen3_moe.py tests/test_qwen3_next.py tests/test_expert_offload.py
+  ls .whl/fla_core-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/fla_core-*.whl 2>&1 | grep -v WARN
+  gpu_tests moe tests/test_fused_moe.py tests/test_qwen3_moe.py tests/test_qwen3_next.py tests/test_expert_offload.py \
+    tests/test_gated_delta_kernels.py
   python3 bench.py --model qwen3-30b-a3b --load-format dummy --mode decode1 --repeat 3 2>&1 | grep -v INFO \
     | tee "$OUT/bench_moe_decode1.md" | tail -5
+  python3 bench.py --model qwen3-30b-a3b:Q4_K --mode decode1 --repeat 3 2>&1 | grep -v INFO \
+    | tee "$OUT/bench_moe_q4_k_decode1.md" | tail -5
 fi
 if [[ $what == serve ]]; then  # nanovllm serve under 256 concurrent streams against LLM.generate; time to first token
   python3 bench_serve.py 2>&1 | grep -v INFO | tee "$OUT/bench_serve.md" | tail -12

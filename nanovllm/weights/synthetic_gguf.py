@@ -75,17 +75,23 @@ def random_blocks(type_name: str, rows: int, cols: int, std: float, rng: np.rand
 
 
 def _tensors(c: dict) -> dict[str, tuple[int, ...]]:
-    """GGUF names -> (rows, cols) of a HF config's weights (norms: (cols,))."""
+    """GGUF names -> (rows, cols) of a HF config's weights (norms: (cols,); a mixture's stacked experts: (experts,
+    rows, cols))."""
     h, hd = c["hidden_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     q, kv, ff = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd, c["intermediate_size"]
     shapes = {"token_embd.weight": (c["vocab_size"], h), "output_norm.weight": (h,), "output.weight": (c["vocab_size"], h)}
     for i in range(c["num_hidden_layers"]):
         p = f"blk.{i}."
         shapes.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,), p + "attn_q.weight": (q, h),
-                       p + "attn_k.weight": (kv, h), p + "attn_v.weight": (kv, h), p + "attn_output.weight": (h, q),
-                       p + "ffn_gate.weight": (ff, h), p + "ffn_up.weight": (ff, h), p + "ffn_down.weight": (h, ff)})
-        if c["model_type"] == "qwen3":
+                       p + "attn_k.weight": (kv, h), p + "attn_v.weight": (kv, h), p + "attn_output.weight": (h, q)})
+        if c["model_type"] in ("qwen3", "qwen3_moe"):
             shapes.update({p + "attn_q_norm.weight": (hd,), p + "attn_k_norm.weight": (hd,)})
+        if c["model_type"] == "qwen3_moe":  # every layer sparse, as llama.cpp's qwen3moe requires
+            e, moe = c["num_experts"], c["moe_intermediate_size"]
+            shapes.update({p + "ffn_gate_inp.weight": (e, h), p + "ffn_gate_exps.weight": (e, moe, h),
+                           p + "ffn_up_exps.weight": (e, moe, h), p + "ffn_down_exps.weight": (e, h, moe)})
+        else:
+            shapes.update({p + "ffn_gate.weight": (ff, h), p + "ffn_up.weight": (ff, h), p + "ffn_down.weight": (h, ff)})
     return shapes
 
 
@@ -99,15 +105,18 @@ def write_gguf(shape: str | dict, type_name: str, path: str, tokenizer: str | No
     c = dict(SHAPES[shape] if isinstance(shape, str) else shape)
     if type_name not in FORMATS:
         raise ValueError(f"GGUF type {type_name!r} has no writer; choose one of {', '.join(FORMATS)}")
-    if c["model_type"] not in ("llama", "qwen2", "qwen3") or c.get("rope_scaling"):
-        raise ValueError(f"synthetic GGUF files are plain llama / qwen2 / qwen3 models, got {c['model_type']}")
+    if c["model_type"] not in ("llama", "qwen2", "qwen3", "qwen3_moe") or c.get("rope_scaling"):
+        raise ValueError(f"synthetic GGUF files are plain llama / qwen2 / qwen3 / qwen3_moe models, got "
+                         f"{c['model_type']}")
+    if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
+        raise ValueError("synthetic qwen3moe GGUF files have experts in every layer (llama.cpp's qwen3moe)")
     block = FORMATS[type_name].block_size
-    odd = sorted({dims[1] for dims in _tensors(c).values() if len(dims) == 2 and dims[1] % block})
+    odd = sorted({dims[-1] for dims in _tensors(c).values() if len(dims) >= 2 and dims[-1] % block})
     if odd:
         raise ValueError(f"{type_name} rows are whole blocks of {block} weights; this shape has rows of {odd}")
     donor = gguf.GGUFReader(tokenizer or bundled_model_path())
     c["vocab_size"] = len(donor.fields["tokenizer.ggml.tokens"].data)
-    arch = c["model_type"]
+    arch = c["model_type"].replace("_", "")  # qwen3_moe: qwen3moe
     writer = gguf.GGUFWriter(str(path), arch)
     hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     writer.add_block_count(c["num_hidden_layers"])
@@ -121,6 +130,10 @@ def write_gguf(shape: str | dict, type_name: str, path: str, tokenizer: str | No
     writer.add_rope_freq_base(c["rope_theta"])
     writer.add_layer_norm_rms_eps(c.get("rms_norm_eps", 1e-6))
     writer.add_vocab_size(c["vocab_size"])
+    if arch == "qwen3moe":
+        writer.add_expert_count(c["num_experts"])
+        writer.add_expert_used_count(c["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
     for key, field in donor.fields.items():
         if key.startswith("tokenizer."):
             writer.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
@@ -129,8 +142,11 @@ def write_gguf(shape: str | dict, type_name: str, path: str, tokenizer: str | No
         if len(dims) == 1:
             writer.add_tensor(name, (1 + 0.1 * rng.standard_normal(dims)).astype(np.float32))
             continue
-        data = random_blocks(type_name, *dims, (2 if name == "token_embd.weight" else 1) / math.sqrt(dims[1]), rng)
-        raw_dtype = None if data.dtype != np.uint8 else gguf.GGMLQuantizationType[type_name]
+        kind = "F32" if name.endswith("ffn_gate_inp.weight") else type_name  # the router: F32, as llama.cpp's
+        std = (2 if name == "token_embd.weight" else 1) / math.sqrt(dims[-1])
+        data = random_blocks(kind, math.prod(dims[:-1]), dims[-1], std, rng)
+        data = data.reshape(*dims[:-1], -1)  # stacked experts: [experts, rows, row bytes]
+        raw_dtype = None if data.dtype != np.uint8 else gguf.GGMLQuantizationType[kind]
         writer.add_tensor(name, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
