@@ -117,6 +117,25 @@ def test_smollm2_swaps_as_it_recomputes(smollm2_path):
     assert runs[0.05] == runs[None]
 
 
+@pytest.mark.slow
+def test_smollm2_offloaded_together_answers_as_with_room(smollm2_path):
+    """The real model (fp32 on CPU): 4 chat prompts padded past the device's 6 blocks of 16 tokens decode together
+    with their leading blocks in the pool, finishing at different steps: the answers of a device with room."""
+    text = "Here is a long note about European cities, their rivers, their bridges and their old markets. " * 3
+    prompts = [[{"role": "user", "content": f"{text}Question {i}: name one of them."}] for i in range(4)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 30, 20, 40)]
+    runs = {}
+    for blocks, size in ((64, None), (6, 0.05)):
+        llm = LLM(smollm2_path, device=DEVICE, dtype="float32", max_model_len=512, num_gpu_blocks_override=blocks,
+                  block_size=16, kv_offloading_size=size)
+        ids = [llm.chat_prompt(p)["prompt_token_ids"] for p in prompts]
+        outputs, together = run_counting_offloaded(llm, ids, params)
+        runs[size] = [o.token_ids for o in outputs]
+        assert_no_leaks(llm)
+    assert together >= 2 and llm.llm_engine.scheduler.num_preemptions == 0
+    assert runs[0.05] == runs[None]
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(kv_offloading_size=0), "kv_offloading_size must be None or > 0"),
     (dict(kv_offloading_size=1e-9), "kv_offloading_size=1e-09 GiB holds no KV block"),
@@ -157,17 +176,24 @@ def test_offloaded_sequences_decode_together(tiny_model_dir):
     roomy = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=128, **kw)
     want = [o.outputs[0] for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     llm = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=6, kv_offloading_size=0.01, **kw)
+    got, together = run_counting_offloaded(llm, prompts, params)
+    assert together >= 2 and llm.llm_engine.scheduler.num_preemptions == 0
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, rel=1e-4, abs=1e-4)
+    assert_no_leaks(llm)
+
+
+def run_counting_offloaded(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list, int]:
+    """Each prompt's first completion, stepping the engine, and the most running sequences a step had with blocks
+    in the host pool."""
     engine, got, together = llm.llm_engine, {}, 0
     for i, (prompt, sampling) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), prompt, sampling)
     while engine.has_unfinished_requests() or engine._in_flight is not None:
         together = max(together, sum(bool(s.host_blocks) for s in engine.scheduler.running))
         got.update((out.request_id, out.outputs[0]) for out in engine.step())
-    assert together >= 2 and engine.scheduler.num_preemptions == 0
-    for i, w in enumerate(want):
-        assert got[str(i)].token_ids == w.token_ids
-        assert got[str(i)].cumulative_logprob == pytest.approx(w.cumulative_logprob, rel=1e-4, abs=1e-4)
-    assert_no_leaks(llm)
+    return [got[str(i)] for i in range(len(prompts))], together
 
 
 def test_without_a_host_pool_the_device_must_hold_max_model_len(tiny_model_dir):

@@ -86,11 +86,14 @@ class Scheduler:
             else:
                 hits, bs = self.block_manager.find_cached_blocks(seq), self.block_manager.block_size
                 num_new = min(seq.num_tokens - hits.num_blocks * bs, budget, self._max_chunk)
-                if not self.block_manager.allocate_slots(seq, num_new, hits) and not (
-                        self._outgrows_device(seq)
-                        and self._offload_running(self._blocks_short(hits.num_blocks * bs + num_new, hits.num_blocks))
-                        and self.block_manager.allocate_slots(seq, num_new, hits)):
-                    break
+                if not self.block_manager.allocate_slots(seq, num_new, hits):
+                    if self.host_pool is None or not self._outgrows_device(seq):
+                        break
+                    # room made in the pool for as much of its first chunk as it takes (whole blocks: hits are)
+                    self._offload_running(self._blocks_short(hits.num_blocks * bs + num_new, hits.num_blocks))
+                    num_new = min(num_new, self.block_manager.num_free_blocks * bs)
+                    if num_new <= 0 or not self.block_manager.allocate_slots(seq, num_new, hits):
+                        break
                 seq.num_computed_tokens = seq.num_cached_tokens = hits.num_blocks * self.block_manager.block_size
                 seq.num_registered_blocks = len(hits.device_blocks)
                 seq.num_scheduled_tokens = num_new
