@@ -127,6 +127,33 @@ def _align_pairs_torch(ids: torch.Tensor, num_experts: int, block_m: int, max_ro
 
 
 @triton.jit
+def tile_pairs(sorted_ids_ptr, tile_experts_ptr, num_pairs, N, A_ROW_DIVISOR: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """This program's tile: (its BLOCK_M sorted pairs, which are real, their rows of A, the tile's expert, its BLOCK_N
+    output columns, which are real)."""
+    tile = tl.program_id(0)
+    pairs = tl.load(sorted_ids_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return (pairs, pairs < num_pairs, (pairs // A_ROW_DIVISOR).to(tl.int64),
+            tl.load(tile_experts_ptr + tile).to(tl.int64), cols, cols < N)
+
+
+@triton.jit
+def store_tile(acc, acc_up, out_ptr, route_w_ptr, pairs, pair_ok, cols, col_ok, stride_om, GATED: tl.constexpr,
+               WEIGHTED: tl.constexpr):
+    """GATED: silu(acc) * acc_up, rounded where SiluAndMul's torch path rounds (the projections, then silu, then the
+    product); WEIGHTED: times each pair's routing weight; stored at the pairs' rows."""
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        gate = acc.to(dtype).to(tl.float32)
+        acc = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
+    if WEIGHTED:
+        acc = acc.to(dtype).to(tl.float32) * tl.load(route_w_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(dtype),
+             mask=pair_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, route_w_ptr, sorted_ids_ptr, tile_experts_ptr, rows_used_ptr,
                      N, K, num_pairs, stride_am, stride_we, stride_wn, stride_om, up_offset,
                      A_ROW_DIVISOR: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
@@ -134,15 +161,10 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, route_w_ptr, sorted_ids_ptr, tile_ex
     """out[pair, n] = A[pair // A_ROW_DIVISOR] . W[expert, n] for one tile of BLOCK_M sorted pairs and BLOCK_N
     outputs; GATED: silu(gate) * up, the up rows up_offset below the gate rows; WEIGHTED: times the pair's routing
     weight."""
-    tile = tl.program_id(0)
-    if tile * BLOCK_M >= tl.load(rows_used_ptr):
+    if tl.program_id(0) * BLOCK_M >= tl.load(rows_used_ptr):
         return
-    pairs = tl.load(sorted_ids_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pairs < num_pairs
-    a_rows = (pairs // A_ROW_DIVISOR).to(tl.int64)
-    expert = tl.load(tile_experts_ptr + tile).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    pairs, pair_ok, a_rows, expert, cols, col_ok = tile_pairs(sorted_ids_ptr, tile_experts_ptr, num_pairs, N,
+                                                              A_ROW_DIVISOR, BLOCK_M, BLOCK_N)
     w_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -157,14 +179,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, route_w_ptr, sorted_ids_ptr, tile_ex
         if GATED:
             up = tl.load(w_rows + up_offset * stride_wn + ks[None, :], mask=w_mask, other=0.0)
             acc_up = tl.dot(a, tl.trans(up), acc_up, input_precision=PRECISION)
-    dtype = out_ptr.dtype.element_ty
-    if GATED:  # rounded where SiluAndMul's torch path rounds: the projections, then silu, then the product
-        gate = acc.to(dtype).to(tl.float32)
-        acc = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * acc_up.to(dtype).to(tl.float32)
-    if WEIGHTED:
-        acc = acc.to(dtype).to(tl.float32) * tl.load(route_w_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(dtype),
-             mask=pair_ok[:, None] & col_ok[None, :])
+    store_tile(acc, acc_up, out_ptr, route_w_ptr, pairs, pair_ok, cols, col_ok, stride_om, GATED, WEIGHTED)
 
 
 def launch_config(block_m: int) -> dict:

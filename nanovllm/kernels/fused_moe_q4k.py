@@ -8,8 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fused_moe import align_pairs, moe_block_m
-from nanovllm.quant.gguf_weight import GGUFWeight
+from nanovllm.kernels.fused_moe import align_pairs, moe_block_m, store_tile, tile_pairs
+from nanovllm.kernels.gguf_gemv import BlockWeight
 
 
 @triton.jit
@@ -51,15 +51,10 @@ def _moe_q4k_kernel(a_ptr, qs_ptr, sc_ptr, d_ptr, dmin_ptr, up_qs_ptr, up_sc_ptr
     """out[pair, n] = A[pair // A_ROW_DIVISOR] . W[expert, n] for one tile of BLOCK_M sorted pairs and BLOCK_N
     outputs, W in Q4_K; GATED: silu(gate) * up (the up projection's own blocks); WEIGHTED: times the routing
     weight."""
-    tile = tl.program_id(0)
-    if tile * BLOCK_M >= tl.load(rows_used_ptr):
+    if tl.program_id(0) * BLOCK_M >= tl.load(rows_used_ptr):
         return
-    pairs = tl.load(sorted_ids_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    pair_ok = pairs < num_pairs
-    a_rows = (pairs // A_ROW_DIVISOR).to(tl.int64)
-    expert = tl.load(tile_experts_ptr + tile).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    pairs, pair_ok, a_rows, expert, cols, col_ok = tile_pairs(sorted_ids_ptr, tile_experts_ptr, num_pairs, N,
+                                                              A_ROW_DIVISOR, BLOCK_M, BLOCK_N)
     rows = expert * N + tl.where(col_ok, cols, 0).to(tl.int64)  # the expert's weight rows
     dtype = a_ptr.dtype.element_ty
     half = tl.arange(0, 32)
@@ -77,18 +72,10 @@ def _moe_q4k_kernel(a_ptr, qs_ptr, sc_ptr, d_ptr, dmin_ptr, up_qs_ptr, up_sc_ptr
                                     stride_d, k, dtype)
             acc_up = tl.dot(a_lo, tl.trans(u_lo), acc_up, input_precision=PRECISION)
             acc_up = tl.dot(a_hi, tl.trans(u_hi), acc_up, input_precision=PRECISION)
-    out_dtype = out_ptr.dtype.element_ty
-    if GATED:  # rounded where SiluAndMul's torch path rounds, as the dense kernel
-        gate = acc.to(out_dtype).to(tl.float32)
-        acc = (gate / (1.0 + tl.exp(-gate))).to(out_dtype).to(tl.float32) * acc_up.to(out_dtype).to(tl.float32)
-    if WEIGHTED:
-        acc = acc.to(out_dtype).to(tl.float32) * tl.load(route_w_ptr + pairs, mask=pair_ok,
-                                                         other=0.0).to(tl.float32)[:, None]
-    tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_dtype),
-             mask=pair_ok[:, None] & col_ok[None, :])
+    store_tile(acc, acc_up, out_ptr, route_w_ptr, pairs, pair_ok, cols, col_ok, stride_om, GATED, WEIGHTED)
 
 
-def _launch(a, weight: GGUFWeight, up: GGUFWeight | None, out, route_weights, aligned, num_pairs: int,
+def _launch(a, weight: BlockWeight, up: BlockWeight | None, out, route_weights, aligned, num_pairs: int,
             row_divisor: int, block_m: int, block_n: int = 64, num_warps: int = 4):
     sorted_ids, tile_experts, rows_used = aligned
     n = out.shape[1]
@@ -103,7 +90,7 @@ def _launch(a, weight: GGUFWeight, up: GGUFWeight | None, out, route_weights, al
                           num_warps=num_warps)
 
 
-def fused_moe_q4k(x: torch.Tensor, gate: GGUFWeight, up: GGUFWeight, down: GGUFWeight, weights: torch.Tensor,
+def fused_moe_q4k(x: torch.Tensor, gate: BlockWeight, up: BlockWeight, down: BlockWeight, weights: torch.Tensor,
                   ids: torch.Tensor, num_experts: int, leaves_out: bool = False) -> torch.Tensor:
     """x [T, H]; gate, up [E x I, H] and down [E x H, I] in Q4_K; weights, ids [T, k] -> [T, H] (leaves_out: ids of
     -1 are pairs left out)."""
