@@ -77,7 +77,7 @@ def test_no_block_leaks_through_random_aborts(tiny_model_dir):
             if rng.random() < 0.15:
                 eng.abort_request(rng.choice(ids))
         eng.abort_request(ids)
-        while eng.has_unfinished_requests() or eng._in_flight is not None:  # a step launched ahead drains
+        while eng.has_work():  # a step launched ahead drains
             eng.step()
         assert_no_leaks(llm)
     assert eng.scheduler.num_swaps > 0
@@ -190,7 +190,7 @@ def run_counting_offloaded(llm: LLM, prompts: list[list[int]], params: list[Samp
     engine, got, together = llm.llm_engine, {}, 0
     for i, (prompt, sampling) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), prompt, sampling)
-    while engine.has_unfinished_requests() or engine._in_flight is not None:
+    while engine.has_work():
         together = max(together, sum(bool(s.host_blocks) for s in engine.scheduler.running))
         got.update((out.request_id, out.outputs[0]) for out in engine.step())
     return [got[str(i)] for i in range(len(prompts))], together

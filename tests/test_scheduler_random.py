@@ -58,7 +58,7 @@ def run_case(llm: LLM, requests, rng: random.Random, abort_chance: float):
     for rid, (prompt, max_tokens, n) in zip(ids, requests):
         engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, n=n, ignore_eos=True))
     live = list(ids)
-    while engine.has_unfinished_requests() or engine._in_flight is not None:
+    while engine.has_work():
         for out in engine.step():
             finished[out.request_id] = [c.token_ids for c in out.outputs]
             live.remove(out.request_id)

@@ -24,19 +24,22 @@ def server(tiny_model_dir):
     settings = dict(device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
     llm = LLM(tiny_model_dir("tiny-llama"), **settings)
     engine = EngineClient(tiny_model_dir("tiny-llama"), settings)
-    app = build_app(engine, "tiny", api_key=KEY)
+    server, url = _start(build_app(engine, "tiny", api_key=KEY))
+    yield llm, url, engine
+    server.should_exit = True
+    engine.close()
+
+
+def _start(app) -> tuple[uvicorn.Server, str]:
+    """app served on a free port of 127.0.0.1 from a thread, once it listens."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.05)
-    yield llm, f"http://127.0.0.1:{port}", engine
-    server.should_exit = True
-    thread.join(timeout=10)
-    engine.close()
+    return server, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture
@@ -209,15 +212,8 @@ def test_an_engine_that_dies_is_an_error_not_a_hang(tiny_model_dir):
     once; an engine that cannot start says why."""
     engine = EngineClient(tiny_model_dir("tiny-llama"), dict(device="cpu", max_model_len=256,
                                                              kv_cache_memory_bytes=16 << 20))
-    app = build_app(engine, "tiny")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}/v1/completions"
+    server, url = _start(build_app(engine, "tiny"))
+    url += "/v1/completions"
     body = {"model": "tiny", "prompt": "t5 t6", "max_tokens": 200, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", url, json=body, timeout=30) as response:
         lines = response.iter_lines()

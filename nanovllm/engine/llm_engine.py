@@ -143,6 +143,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Unfinished requests, or a step launched ahead whose tokens are still to be read (its requests aborted)."""
+        return bool(self.requests) or self._in_flight is not None
+
     # ---- steps ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return the requests that finished in it. With async scheduling, a decode

@@ -94,7 +94,7 @@ class Scheduler:
                     num_new = min(num_new, self.block_manager.num_free_blocks * bs)
                     if num_new <= 0 or not self.block_manager.allocate_slots(seq, num_new, hits):
                         break
-                seq.num_computed_tokens = seq.num_cached_tokens = hits.num_blocks * self.block_manager.block_size
+                seq.num_computed_tokens = seq.num_cached_tokens = hits.num_blocks * bs
                 seq.num_registered_blocks = len(hits.device_blocks)
                 seq.num_scheduled_tokens = num_new
             seq.status = SequenceStatus.RUNNING

@@ -83,7 +83,6 @@ class Sequence:
         self.token_ids.pop()
         self.num_placeholders -= 1
 
-    @property
-    def sampled_token_ids(self) -> list[int]:
-        """The output tokens read back so far (no placeholder)."""
-        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - self.num_placeholders]
+    def sampled_tokens(self, start: int = 0) -> list[int]:
+        """The output tokens read back so far (no placeholder), from the start-th on."""
+        return self.token_ids[self.num_prompt_tokens + start:len(self.token_ids) - self.num_placeholders]

@@ -24,14 +24,6 @@ class Completion:
     finish_reason: str | None  # None while it runs
     all_logprobs: list | None = None  # a dict (token id -> Logprob) a token, where the request asked for them
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.ids[:self.num_tokens]
-
-    @property
-    def logprobs(self) -> list | None:
-        return self.tokens_from(0)[1]
-
     def tokens_from(self, start: int) -> tuple[list[int], list | None]:
         """(token ids, their logprobs or None) from the start-th on."""
         logprobs = None if self.all_logprobs is None else self.all_logprobs[start:self.num_tokens]

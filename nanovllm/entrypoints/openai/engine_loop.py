@@ -53,10 +53,9 @@ class EngineLoop:
 
     def run(self):
         while True:
-            busy = self.engine.has_unfinished_requests() or self.engine._in_flight is not None
-            if not self._take_inbox(block=not busy):
+            if not self._take_inbox(block=not self.engine.has_work()):
                 return
-            if not (self.engine.has_unfinished_requests() or self.engine._in_flight is not None):
+            if not self.engine.has_work():
                 continue
             self.max_batch = max(self.max_batch, len(self.engine.scheduler.running))
             try:
@@ -115,9 +114,8 @@ class EngineLoop:
             completions = [(c.text, c.token_ids[n:], c.logprobs[n:] if c.logprobs is not None else None,
                             c.finish_reason) for c, (_, n) in zip(output.outputs, sent)]
         elif (request := self.engine.requests.get(request_id)) is not None:
-            completions = [(s.text, s.token_ids[s.num_prompt_tokens + n:len(s.token_ids) - s.num_placeholders],
-                            s.output_logprobs[n:] if s.params.logprobs is not None else None, s.finish_reason)
-                           for s, (_, n) in zip(request.seqs, sent)]
+            completions = [(s.text, s.sampled_tokens(n), s.output_logprobs[n:] if s.params.logprobs is not None else None,
+                            s.finish_reason) for s, (_, n) in zip(request.seqs, sent)]
         else:
             return None
         hold, gained = self.hold[request_id], []

@@ -12,7 +12,6 @@ import json
 import os
 import time
 import uuid
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -163,10 +162,10 @@ class _Reply:
     def whole(self, progress: Progress) -> dict:
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": _chat_logprobs(c, self.top), "finish_reason": c.finish_reason}
+                        "logprobs": _chat_logprobs(*c.tokens_from(0), self.top), "finish_reason": c.finish_reason}
                        for i, c in enumerate(progress.completions)]
         else:
-            choices = [{"index": i, "text": c.text, "logprobs": _completion_logprobs(c, self.top),
+            choices = [{"index": i, "text": c.text, "logprobs": _completion_logprobs(*c.tokens_from(0), self.top),
                         "finish_reason": c.finish_reason} for i, c in enumerate(progress.completions)]
         return {**self._head(False), "choices": choices, "usage": self.usage(progress)}
 
@@ -180,48 +179,40 @@ class _Reply:
             self.done[i] = c.finish_reason is not None
             if not delta and not self.done[i]:
                 continue
-            new = _Tokens(*c.tokens_from(self.sent_tokens[i])) if c.all_logprobs is not None else _Tokens((), None)
+            new = c.tokens_from(self.sent_tokens[i])  # (token ids, logprobs or None) since the last chunk
             self.sent_tokens[i] = c.num_tokens
             if self.chat:
                 choice = {"index": i, "delta": {"content": delta} if delta else {},
-                          "logprobs": _chat_logprobs(new, self.top), "finish_reason": c.finish_reason}
+                          "logprobs": _chat_logprobs(*new, self.top), "finish_reason": c.finish_reason}
             else:
-                choice = {"index": i, "text": delta, "logprobs": _completion_logprobs(new, self.top),
+                choice = {"index": i, "text": delta, "logprobs": _completion_logprobs(*new, self.top),
                           "finish_reason": c.finish_reason}
             out.append({**self._head(True), "choices": [choice]})
         return out
 
 
-@dataclass(frozen=True)
-class _Tokens:
-    """Some of a completion's tokens and their logprobs (a stream chunk's)."""
-
-    token_ids: tuple
-    logprobs: tuple | None
-
-
-def _token_logprobs(completion, k: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
+def _token_logprobs(token_ids: list[int], logprobs: list, k: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
     """(token, its logprob, the k most likely tokens by rank) of each sampled token."""
     out = []
-    for token_id, entry in zip(completion.token_ids, completion.logprobs):
+    for token_id, entry in zip(token_ids, logprobs):
         top = sorted((lp for lp in entry.values() if lp.rank <= k), key=lambda lp: lp.rank)
         out.append((entry[token_id].decoded_token or "", entry[token_id].logprob,
                     [(lp.decoded_token or "", lp.logprob) for lp in top]))
     return out
 
 
-def _chat_logprobs(completion, k: int) -> dict | None:
-    if completion.logprobs is None:
+def _chat_logprobs(token_ids: list[int], logprobs: list | None, k: int) -> dict | None:
+    if logprobs is None:
         return None
     return {"content": [{"token": token, "logprob": logprob, "bytes": list(token.encode()),
                          "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top]}
-                        for token, logprob, top in _token_logprobs(completion, k)]}
+                        for token, logprob, top in _token_logprobs(token_ids, logprobs, k)]}
 
 
-def _completion_logprobs(completion, k: int) -> dict | None:
-    if completion.logprobs is None:
+def _completion_logprobs(token_ids: list[int], logprobs: list | None, k: int) -> dict | None:
+    if logprobs is None:
         return None
-    entries = _token_logprobs(completion, k)
+    entries = _token_logprobs(token_ids, logprobs, k)
     offsets, at = [], 0
     for token, _, _ in entries:
         offsets.append(at)
