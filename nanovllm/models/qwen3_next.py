@@ -139,12 +139,12 @@ class GatedDeltaNet(CustomOp):
     def _prefill_native(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata,
                         first: int) -> torch.Tensor:
         """The step's prompts one at a time in plain torch."""
-        starts = meta.query_start_loc_cpu
-        return torch.cat([self._sequence(mixed[starts[i] - starts[first]:starts[i + 1] - starts[first]],
-                                         g[starts[i] - starts[first]:starts[i + 1] - starts[first]],
-                                         beta[starts[i] - starts[first]:starts[i + 1] - starts[first]],
-                                         meta.seq_lens_cpu[i], meta.state_slots[i] if meta.state_slots else None)
-                          for i in range(first, meta.num_seqs)])
+        starts, outs = meta.query_start_loc_cpu, []
+        for i in range(first, meta.num_seqs):
+            rows = slice(starts[i] - starts[first], starts[i + 1] - starts[first])
+            outs.append(self._sequence(mixed[rows], g[rows], beta[rows], meta.seq_lens_cpu[i],
+                                       meta.state_slots[i] if meta.state_slots else None))
+        return torch.cat(outs)
 
     def _sequence(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, seq_len: int,
                   slot: int | None) -> torch.Tensor:

@@ -9,9 +9,7 @@ Measured on this 2-core CI machine (torch 2.13, one matmul, us): 1536 x 576 at 1
 28 / 47 / 178 / 685 / 2973, bf16 62 / 70 / 119 / 307 / 1089, fp32 71 / 177 / 248 / 718 / 2576 (the int4 kernel is
 for few rows: past 16 its rows cost as fp32's)."""
 import torch
-from torch import nn
 
-from nanovllm.layers.linear import LinearMethod
 from nanovllm.quant.gguf_formats import _k_scale_min, _nibbles
 from nanovllm.quant.gguf_weight import GGUFWeight
 
@@ -77,44 +75,3 @@ def cpu_weight(weight: GGUFWeight | torch.Tensor) -> "Int4Weight | torch.Tensor"
     for start in range(0, weight.shape[0], step):
         dense[start:start + step] = weight.map_rows(lambda field: field[start:start + step]).dequantize()
     return dense
-
-
-
-class CpuGGUFLinearMethod(LinearMethod):
-    """quantization="gguf" on CPU (the default for GGUF files there): the GGUF method's loading (the shards' blocks
-    wait in `gguf_shards`), then each piece of rows in its CPU form (`cpu_pieces`: first row, Int4Weight or bf16)."""
-
-    def __init__(self, config, loading: LinearMethod):
-        self.config, self.loading = config, loading
-
-    def create_weights(self, layer: nn.Module, bias: bool):
-        self.loading.create_weights(layer, bias)
-
-    def load_weight(self, layer: nn.Module, param: nn.Parameter, loaded, shard_id=None):
-        self.loading.load_weight(layer, param, loaded, shard_id)
-
-    def process_weights_after_loading(self, layer: nn.Module) -> str:
-        pieces = sorted(((layer.output_shards[sid][0], w) for sid, w in layer.gguf_shards.items()),
-                        key=lambda piece: piece[0])
-        del layer.gguf_shards
-        layer.cpu_pieces = [(offset, cpu_weight(w)) for offset, w in pieces]
-        layer.weight = None
-        tied = getattr(layer, "tied_embedding", None)
-        if tied is not None and len(layer.cpu_pieces) == 1 and isinstance(layer.cpu_pieces[0][1], torch.Tensor):
-            tied.share_table(layer.cpu_pieces[0][1])  # one bf16 table for both, not the blocks beside it
-        types = sorted({w.type_name if isinstance(w, GGUFWeight) else "dense" for _, w in pieces})
-        return "; ".join(f"{t}: int4 packed, torch's CPU int4 matmul" if t in INT4_TYPES else
-                         "F32/F16 in the file: dense" if t == "dense" else f"{t}: dequantized to bf16 at load"
-                         for t in types)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        x2d = x.reshape(-1, x.shape[-1])
-        parts = [w.matmul(x2d) if isinstance(w, Int4Weight) else torch.nn.functional.linear(x2d.to(w.dtype), w)
-                 for _, w in layer.cpu_pieces]
-        y = (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).to(x.dtype)
-        if layer.bias is not None:
-            y += layer.bias
-        if out is not None:
-            out.copy_(y)
-            return out
-        return y.view(*x.shape[:-1], layer.output_size)

@@ -12,6 +12,7 @@ from torch import nn
 
 from nanovllm.layers.linear import LinearMethod, UnquantizedLinearMethod
 from nanovllm.quant.base_config import QuantizationConfig, rows_per_chunk
+from nanovllm.quant.cpu_int4 import INT4_TYPES, Int4Weight, cpu_weight
 from nanovllm.quant.gguf_formats import BLOCK_FORMATS, INT4_G128
 from nanovllm.quant.gguf_weight import GGUFWeight
 from nanovllm.quant.quantize import quantize_int4
@@ -35,15 +36,11 @@ class GGUFConfig(QuantizationConfig):
                 self.gemv, self.gemv_rows = gguf_gemv.gguf_gemv, gguf_gemv.MAX_ROWS
                 self.dequantize = gguf_gemv.gguf_dequantize
                 self.one_row = gguf_gemv_one_row if gguf_gemv_one_row.why_off(device) is None else None
-        else:  # CPU: quant/cpu_int4.py's forms
+        else:  # CPU: every type is kept, in the form quant/cpu_int4.py gives it (CpuGGUFLinearMethod)
             self.kept_types = tuple(name for name, fmt in BLOCK_FORMATS.items() if fmt.block_size > 1)
 
     def linear_method(self) -> LinearMethod:
-        if self.device.type == "cpu":
-            from nanovllm.quant.cpu_int4 import CpuGGUFLinearMethod
-
-            return CpuGGUFLinearMethod(self, GGUFLinearMethod(self))
-        return GGUFLinearMethod(self)
+        return CpuGGUFLinearMethod(self) if self.device.type == "cpu" else GGUFLinearMethod(self)
 
     def describe(self) -> str:
         what = "int4 (INT4_G128) weights quantized at load" if self.int4 else "GGUF weights kept quantized"
@@ -89,11 +86,17 @@ class GGUFLinearMethod(LinearMethod):
             loaded = quantize_int4(loaded.to(self.config.device))
         layer.gguf_shards[shard_id] = loaded
 
-    def process_weights_after_loading(self, layer: nn.Module) -> str:
-        """Returns the path that serves the layer, for the load log."""
+    @staticmethod
+    def take_pieces(layer: nn.Module) -> list[tuple[int, GGUFWeight | torch.Tensor]]:
+        """The layer's loaded shards as (first output row, weight), in row order; the layer lets them go."""
         pieces = sorted(((layer.output_shards[sid][0], w) for sid, w in layer.gguf_shards.items()),
                         key=lambda piece: piece[0])
         del layer.gguf_shards
+        return pieces
+
+    def process_weights_after_loading(self, layer: nn.Module) -> str:
+        """Returns the path that serves the layer, for the load log."""
+        pieces = self.take_pieces(layer)
         types = {w.type_name if isinstance(w, GGUFWeight) else "dense" for _, w in pieces}
         path = "; ".join(self.config.path(t) if t != "dense" else "F32/F16 in the file: dense" for t in sorted(types))
         if types <= set(self.config.kept_types):
@@ -132,6 +135,36 @@ class GGUFLinearMethod(LinearMethod):
         for start in range(0, n, step):
             rows = weight.map_rows(lambda field: field[start:start + step])
             out[:, start:start + rows.shape[0]] = F.linear(x, rows.dequantize().to(x.dtype))
+
+
+class CpuGGUFLinearMethod(GGUFLinearMethod):
+    """quantization="gguf" on CPU: loaded as GGUFLinearMethod loads (the shards' blocks wait in `gguf_shards`),
+    then each piece of rows in its CPU form (`cpu_pieces`: first row, and Int4Weight, bf16, or the file's dense
+    tensor; quant/cpu_int4.py)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> str:
+        pieces = self.take_pieces(layer)
+        layer.cpu_pieces = [(offset, cpu_weight(w)) for offset, w in pieces]
+        layer.weight = None
+        tied = getattr(layer, "tied_embedding", None)
+        if tied is not None and len(layer.cpu_pieces) == 1 and isinstance(layer.cpu_pieces[0][1], torch.Tensor):
+            tied.share_table(layer.cpu_pieces[0][1])  # one bf16 table for both, not the blocks beside it
+        types = sorted({w.type_name if isinstance(w, GGUFWeight) else "dense" for _, w in pieces})
+        return "; ".join(f"{t}: int4 packed, torch's CPU int4 matmul" if t in INT4_TYPES else
+                         "F32/F16 in the file: dense" if t == "dense" else f"{t}: dequantized to bf16 at load"
+                         for t in types)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        x2d = x.reshape(-1, x.shape[-1])
+        parts = [w.matmul(x2d) if isinstance(w, Int4Weight) else F.linear(x2d.to(w.dtype), w)
+                 for _, w in layer.cpu_pieces]
+        y = (parts[0] if len(parts) == 1 else torch.cat(parts, -1)).to(x.dtype)
+        if layer.bias is not None:
+            y += layer.bias
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y.view(*x.shape[:-1], layer.output_size)
 
 
 def _stack_same_types(pieces: list[tuple[int, GGUFWeight]], device) -> list[tuple[int, GGUFWeight]]:
