@@ -89,3 +89,19 @@ def assert_greedy_matches_hf(llm, hf, prompts: list[list[int]], max_tokens: int,
             assert abs(entry[token].logprob - ref[token].item()) < tol
     return outputs
 
+
+
+def prompt_logprob_gap(llm_a, llm_b, prompt_ids: list[int]) -> float:
+    """The largest difference between two engines' logprobs of the prompt's tokens (each given the ones before)."""
+    from nanovllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    a, b = (llm.generate({"prompt_token_ids": prompt_ids}, params, use_tqdm=False)[0].prompt_logprobs[1:]
+            for llm in (llm_a, llm_b))
+    return max(abs(x[t].logprob - y[t].logprob) for x, y, t in zip(a, b, prompt_ids[1:]))
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of tokens up to each sequence's first difference."""
+    same = sum(next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(a, b))
+    return same / sum(len(s) for s in a)

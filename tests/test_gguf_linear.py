@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_as_exact_as_dense, random_tensor
+from helpers import agreement, assert_as_exact_as_dense, prompt_logprob_gap, random_tensor
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.linear import QKVLinear, UnquantizedLinearMethod
@@ -94,18 +94,9 @@ def test_cpu_model_kept_quantized_scores_as_dequantized(tmp_path, donor, type_na
     fp32: each prompt token's logprob within bf16's error (random weights make near ties that bf16 breaks otherwise:
     greedy tokens are not compared)."""
     path = str(write_gguf(SMALL, type_name, str(tmp_path / f"small-{type_name}.gguf"), tokenizer=donor))
-    prompt = {"prompt_token_ids": [(7 * i) % 900 + 3 for i in range(60)]}
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    got, want = (LLM(path, device="cpu", quantization=q, kv_cache_memory_bytes=16 << 20).generate(
-        prompt, params, use_tqdm=False)[0].prompt_logprobs[1:] for q in ("gguf", "none"))
-    errors = [abs(g[t].logprob - w[t].logprob) for g, w, t in zip(got, want, prompt["prompt_token_ids"][1:])]
-    assert max(errors) < 0.1, max(errors)  # measured: at most 0.07 (Q4_K: its zeros rounded to bf16); a bug: ~1
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    """Share of tokens up to each sequence's first difference."""
-    same = sum(next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(a, b))
-    return same / sum(len(s) for s in a)
+    kept, dense = (LLM(path, device="cpu", quantization=q, kv_cache_memory_bytes=16 << 20) for q in ("gguf", "none"))
+    gap = prompt_logprob_gap(kept, dense, [(7 * i) % 900 + 3 for i in range(60)])
+    assert gap < 0.1, gap  # measured: at most 0.07 (Q4_K: its zeros rounded to bf16); a bug: ~1
 
 
 @pytest.mark.gpu

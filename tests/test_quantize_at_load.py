@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_as_exact_as_dense, kernel_tol
+from helpers import assert_as_exact_as_dense, kernel_tol, prompt_logprob_gap
 from safetensors.torch import load_file, save_file
 
 from nanovllm import LLM, SamplingParams
@@ -155,11 +155,8 @@ def test_cpu_model_generates_as_its_dequantized_checkpoint(tiny_model_dir, tmp_p
     if name != "int4":
         assert greedy(quantized) == greedy(dense)
         return
-    prompt = {"prompt_token_ids": list(range(10, 80))}
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    got, want = (llm.generate(prompt, params, use_tqdm=False)[0].prompt_logprobs[1:] for llm in (quantized, dense))
-    errors = [abs(g[t].logprob - w[t].logprob) for g, w, t in zip(got, want, prompt["prompt_token_ids"][1:])]
-    assert max(errors) < 5e-2, max(errors)
+    gap = prompt_logprob_gap(quantized, dense, list(range(10, 80)))
+    assert gap < 5e-2, gap
 
 
 def test_quantize_at_load_bad_input(tiny_model_dir):
