@@ -1,7 +1,7 @@
 """KV cache beyond the GPU (issue #42), measured on CUDA.
 
     python bench_offload.py copies   # KV blocks between the GPU cache and a pinned host pool
-    python bench_offload.py long [--model qwen3-0.6b] [--prompt-len 8192 32768] [--gpu-tokens 2048]
+    python bench_offload.py long [--model qwen3-0.6b] [--prompt-len 8192 32768] [--gpu-tokens 2048] [--num-prompts 4]
     python bench_offload.py weights [--model llama3-8b] [--batch-sizes 1 64] [--plot curve.png]  # streamed weights
     python bench_offload.py batch --prompt-len 1024 --output-len 2048 --batch-sizes 16 [--kv-multiple 3]  # swap vs recompute
 
@@ -9,9 +9,10 @@ copies: whole blocks (every layer, K and V) of a Llama-3-8B-shape KV cache (32 l
 by sgDMA (comm/sgdma.py), by its torch twin (gather, one copy, scatter) and as one contiguous copy of the same bytes,
 host to device and back, against the pinned host-to-device bandwidth of a contiguous 1 GiB copy in the same run.
 
-long: one prompt of --prompt-len tokens and --output-len greedy tokens, with every block on the GPU and with the GPU
-capped at --gpu-tokens of KV (the rest offloaded to the host pool): prefill and decode tok/s, each against the
-resident run, and decode against its bound (the offloaded KV bytes a step over the pinned H2D bandwidth).
+long: --num-prompts prompts of --prompt-len tokens and --output-len greedy tokens each, with every block on the GPU
+and with the GPU capped at --gpu-tokens of KV (the rest offloaded to the host pool; the prompts decode together):
+prefill and output tok/s, each against the resident run, and decode against its bound (the offloaded KV bytes a step
+over the pinned H2D bandwidth).
 Prompts past the model's context stretch it by YaRN (config.json's rope_scaling).
 
 weights: decode tok/s at each batch size with the decoder layers' weights resident, and with 25% / 50% / 75% of them
@@ -115,13 +116,20 @@ def bench_long(args):
     model = resolve_model(args.model, torch.bfloat16)
     bw = pinned_h2d_bandwidth()
     print(f"\n| device | date | config |\n|---|---|---|\n| {torch.cuda.get_device_name()} | {datetime.date.today()} | "
-          f"{args.model}, bf16, one prompt + {args.output_len} greedy tokens; offloaded: GPU KV capped at "
+          f"{args.model}, bf16, {args.num_prompts} prompt(s) + {args.output_len} greedy tokens each; offloaded: GPU KV capped at "
           f"{args.gpu_tokens:,} tokens; pinned H2D {bw / 1e9:.1f} GB/s |\n")
-    print("| prompt | run | prefill tok/s | vs resident | decode tok/s | vs resident | decode bound (offloaded KV / H2D) |"
-          "\n|---|---|---|---|---|---|---|")
+    print("| prompts | run | prefill tok/s | vs resident | decode out tok/s | vs resident | decode bound (offloaded KV / "
+          "H2D) |\n|---|---|---|---|---|---|---|")
     stretch_context(model, max(args.prompt_len) + args.output_len + 16)
     for prompt_len in args.prompt_len:
         long_rows(args, model, prompt_len, bw)
+
+
+def kv_bytes_of(model: str) -> int:
+    """K and V of one token across every layer, in bf16, from config.json."""
+    c = json.loads((Path(model) / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2 * 2
 
 
 def stretch_context(model: str, max_len: int):
@@ -137,28 +145,30 @@ def stretch_context(model: str, max_len: int):
 
 
 def long_rows(args, model: str, prompt_len: int, bw: float):
-    prompt = [random.Random(0).randint(100, 500) for _ in range(prompt_len)]  # in every vocabulary
+    n = args.num_prompts
+    prompts = [[random.Random(i).randint(100, 500) for _ in range(prompt_len)] for i in range(n)]  # in every vocabulary
     max_len = prompt_len + args.output_len + 16
     figures = {}
     for name in ("resident", "offloaded"):
         block_size = 16
         kw = dict(num_gpu_blocks_override=args.gpu_tokens // block_size,
-                  kv_offloading_size=max_len * (256 << 10) / (1 << 30)) if name == "offloaded" else {}  # 256 KB a token
+                  kv_offloading_size=1.05 * n * max_len * kv_bytes_of(model) / (1 << 30)) if name == "offloaded" else {}
         llm = LLM(model, max_model_len=max_len, block_size=block_size, enable_prefix_caching=False, **kw)
-        generate_seconds(llm, [prompt[:3 * args.gpu_tokens]], 2)  # warm-up, offloaded steps' kernels included
-        prefill = generate_seconds(llm, [prompt], 1)
-        decode = (args.output_len - 1) / (generate_seconds(llm, [prompt], args.output_len) - prefill)
+        generate_seconds(llm, [p[:3 * args.gpu_tokens] for p in prompts], 2)  # warm-up, offloaded steps' kernels too
+        prefill = generate_seconds(llm, prompts, 1)
+        decode = n * (args.output_len - 1) / (generate_seconds(llm, prompts, args.output_len) - prefill)
         runner = llm.llm_engine.model_runner
         path = "a layer at a time" if runner.layer_major is not None and runner.layer_major.runs else "chunked"
-        figures[name] = (prompt_len / prefill, decode, kv_bytes_per_token(runner), path)
+        figures[name] = (n * prompt_len / prefill, decode, kv_bytes_per_token(runner), path)
         del llm, runner
         free_gpu_memory()
-    offloaded_tokens = prompt_len + args.output_len // 2 - args.gpu_tokens
-    bound = bw / (offloaded_tokens * figures["offloaded"][2])
+    offloaded_tokens = n * (prompt_len + args.output_len // 2) - args.gpu_tokens  # over the batch, mid-decode
+    bound = n * bw / (offloaded_tokens * figures["offloaded"][2])  # a step streams them all once
     (pre_r, dec_r, *_), (pre_o, dec_o, _, path) = figures["resident"], figures["offloaded"]
-    print(f"| {prompt_len:,} | resident | {pre_r:,.0f} | 1.00x | {dec_r:.1f} | 1.00x | |")
-    print(f"| {prompt_len:,} | offloaded, prefill {path} | {pre_o:,.0f} | {pre_o / pre_r:.2f}x | {dec_o:.1f} | "
-          f"{dec_o / dec_r:.2f}x | {bound:.0f} tok/s ({dec_o / bound:.0%}) |", flush=True)
+    label = f"{n} x {prompt_len:,}" if n > 1 else f"{prompt_len:,}"
+    print(f"| {label} | resident | {pre_r:,.0f} | 1.00x | {dec_r:.1f} | 1.00x | |")
+    print(f"| {label} | offloaded, prefill {path} | {pre_o:,.0f} | {pre_o / pre_r:.2f}x | {dec_o:.1f} | "
+          f"{dec_o / dec_r:.2f}x | {bound:.1f} tok/s ({dec_o / bound:.0%}) |", flush=True)
 
 
 def bench_batch(args):
@@ -327,6 +337,7 @@ def main():
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[8192], help="long mode: one run each")
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=1, help="long mode: prompts that decode together")
     ap.add_argument("--gpu-tokens", type=int, default=2048)
     ap.add_argument("--vram-gb", type=float, default=None, help="weights mode: GiB of GPU memory the streamed runs "
                     "may use (a smaller card's; default: half the GPU); resident runs take the whole GPU")

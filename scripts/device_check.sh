@@ -42,6 +42,7 @@ if [[ $what == moe ]]; then  # mixtures of experts and hybrids: the fused kernel
     | tee "$OUT/bench_moe_q4_k_decode1.md" | tail -5
 fi
 if [[ $what == serve ]]; then  # nanovllm serve under 256 concurrent streams against LLM.generate; time to first token
+  ls .whl/serve/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/serve/*.whl 2>&1 | grep -v WARN
   python3 bench_serve.py 2>&1 | grep -v INFO | tee "$OUT/bench_serve.md" | tail -12
 fi
 if [[ $what == bench || $what == all ]]; then
@@ -66,6 +67,8 @@ if [[ $what == offload ]]; then  # KV beyond the GPU (issue #42); ~7 minutes
   python3 bench_offload.py copies 2>&1 | grep -v INFO | tee "$OUT/bench_offload_copies.md" | tail -14
   python3 bench_offload.py long --model qwen3-0.6b --prompt-len 8192 32768 131072 --gpu-tokens 2048 2>&1 \
     | grep -v INFO | tee "$OUT/bench_offload_long.md" | tail -7
+  python3 bench_offload.py long --model qwen3-0.6b --prompt-len 8192 --num-prompts 4 --gpu-tokens 2048 2>&1 \
+    | grep -v INFO | tee "$OUT/bench_offload_long_batched.md" | tail -3
   python3 bench_offload.py batch --prompt-len 1024 --output-len 2048 --batch-sizes 16 2>&1 | grep -v INFO \
     | tee "$OUT/bench_offload_batch.md" | tail -6
 fi

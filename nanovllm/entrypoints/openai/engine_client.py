@@ -1,7 +1,9 @@
-"""The server's side of the engine process (engine_loop.py): it starts the process, sends it commands, and turns the
-deltas sent after each step into each request's progress, which the request's handler reads on the asyncio loop. A
-thread waits on the pipe and hands each step's message to the asyncio loop in one wake-up; a handler that falls
-behind reads only the newest progress. An engine process that exits ends every request with an error."""
+"""The server's side of the engine process (engine_loop.py): it starts the process, sends it commands, and adds the
+deltas sent after each step to each request's stream, which the request's handler reads on the asyncio loop. A
+thread waits on the pipe and hands each step's message to the asyncio loop in one wake-up; a step only appends to
+each stream and wakes its handler, which takes a snapshot of everything so far when it runs (so a handler that falls
+behind skips to the newest, and a step costs the server little). An engine process that exits ends every request
+with an error."""
 import asyncio
 import itertools
 import multiprocessing
@@ -9,7 +11,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
-from nanovllm.entrypoints.openai.engine_loop import Delta, run_engine_process
+from nanovllm.entrypoints.openai.engine_loop import run_engine_process
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -48,42 +50,59 @@ class RequestStream:
 
     def __init__(self, request_id: str, params: SamplingParams):
         self.request_id = request_id
-        self.queue: asyncio.Queue[Progress] = asyncio.Queue()
         self.texts = [""] * params.n
         self.ids: list[list[int]] = [[] for _ in range(params.n)]
         self.logprobs: list[list] | None = [[] for _ in range(params.n)] if params.logprobs is not None else None
         self.reasons: list[str | None] = [None] * params.n
         self.prompt_tokens = 0
+        self.error: str | None = None
         self.finished = False
+        self.deltas = 0  # deltas applied; the first is the acceptance
+        self.read = 0  # deltas the handler has seen
+        self.changed = asyncio.Event()
 
-    def apply(self, delta: Delta):
-        if delta.error is not None:
-            self.finished = True
-            self.queue.put_nowait(Progress(error=delta.error))
+    def apply(self, delta: tuple):
+        """Add one delta (engine_loop's layout) and wake the handler."""
+        _, completions, prompt_tokens, error = delta
+        self.deltas += 1
+        self.changed.set()
+        if error is not None:
+            self.error, self.finished = error, True
             return
-        self.prompt_tokens = self.prompt_tokens or delta.prompt_tokens
-        for i, gained in enumerate(delta.completions):
-            self.texts[i] += gained.text
-            self.ids[i] += gained.token_ids
-            if self.logprobs is not None and gained.logprobs is not None:
-                self.logprobs[i] += gained.logprobs
-            self.reasons[i] = gained.finish_reason
-        progress = Progress(tuple(Completion(self.texts[i], self.ids[i], len(self.ids[i]), self.reasons[i],
-                                             self.logprobs[i] if self.logprobs is not None else None)
-                                  for i in range(len(self.texts))), self.prompt_tokens)
-        self.finished = bool(delta.completions) and progress.finished
-        self.queue.put_nowait(progress)
+        self.prompt_tokens = self.prompt_tokens or prompt_tokens
+        for i, (text, token_ids, logprobs, reason) in enumerate(completions):
+            self.texts[i] += text
+            self.ids[i] += token_ids
+            if self.logprobs is not None and logprobs is not None:
+                self.logprobs[i] += logprobs
+            self.reasons[i] = reason
+        self.finished = bool(completions) and all(r is not None for r in self.reasons)
+
+    def progress(self) -> Progress:
+        """A snapshot of everything so far."""
+        if self.error is not None:
+            return Progress(error=self.error)
+        return Progress(tuple(Completion(self.texts[i], self.ids[i], len(self.ids[i]), self.reasons[i],
+                                         self.logprobs[i] if self.logprobs is not None else None)
+                              for i in range(len(self.texts))), self.prompt_tokens)
+
+    async def _wait(self, past: int):
+        while self.deltas <= past:
+            self.changed.clear()
+            await self.changed.wait()
 
     async def accepted(self) -> Progress:
         """The first progress: the prompt's token count, or the error that refused it."""
-        return await self.queue.get()
+        await self._wait(0)
+        self.read = 1
+        return Progress(error=self.error) if self.error is not None else Progress(prompt_tokens=self.prompt_tokens)
 
     async def __aiter__(self):
-        """Each progress after acceptance, or where several wait, the newest (each holds everything before it)."""
+        """The progress after each wake-up past acceptance: everything so far, however many steps it spans."""
         while True:
-            progress = await self.queue.get()
-            while not self.queue.empty():
-                progress = self.queue.get_nowait()
+            await self._wait(self.read)
+            self.read = self.deltas
+            progress = self.progress()
             yield progress
             if progress.finished:
                 return
@@ -143,7 +162,8 @@ class EngineClient:
             self._send(("abort", stream.request_id))
 
     def stats(self) -> dict:
-        """The engine's: unfinished requests (bool), the most sequences a step ran, free and all KV blocks."""
+        """The engine's: unfinished requests (bool), the most sequences a step ran, free and all KV blocks, steps run,
+        the seconds spent in them and the engine process's CPU seconds."""
         with self.stats_lock:
             self._send(("stats",))
             return self.replies.get(timeout=60)
@@ -178,15 +198,15 @@ class EngineClient:
             else:
                 self.event_loop.call_soon_threadsafe(self._apply, message)
 
-    def _apply(self, deltas: list[Delta]):
+    def _apply(self, deltas: list[tuple]):
         for delta in deltas:
-            stream = self.streams.get(delta.request_id)
+            stream = self.streams.get(delta[0])
             if stream is not None:
                 stream.apply(delta)
                 if stream.finished:
-                    del self.streams[delta.request_id]
+                    del self.streams[delta[0]]
 
     def _fail_all(self):
         for stream in self.streams.values():
-            stream.apply(Delta(stream.request_id, error=self.dead))
+            stream.apply((stream.request_id, (), 0, self.dead))
         self.streams.clear()
