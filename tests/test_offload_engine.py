@@ -227,3 +227,57 @@ def test_the_fast_step_attends_as_the_torch_one(dtype, tol):
     for want, got in zip(*outs):
         assert got.dtype == want.dtype == dtype
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_pack_decodes_runs_consecutive_decodes_that_share_a_slot():
+    from nanovllm.kvcache.offload_engine import pack_decodes
+
+    offloaded = [[1], [2, 3], [4], [], [5, 6, 7, 8], [9], [10, 11], [12]]
+    assert pack_decodes(offloaded, 7, 3) == [(0, 2), (2, 3), (5, 7)]  # 8 is a prompt chunk; 4 needs two slots
+    assert pack_decodes(offloaded, 8, 4) == [(0, 3), (4, 5), (5, 8)]
+    assert pack_decodes([[], []], 2, 4) == []
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_decodes_sharing_a_slot_attend_as_the_whole_context(fast):
+    """A step of decodes packed into shared slots, one too long to share, one with no host blocks, and a prompt chunk:
+    every row equals causal attention over its sequence's gathered context (host blocks, then resident ones)."""
+    if fast:
+        pytest.importorskip("triton")
+    from nanovllm.attention.metadata import AttentionMetadata
+
+    g = torch.Generator().manual_seed(7)
+    host = pool()
+    kv_cache = torch.randn(2, LAYERS, 24, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=g)
+    offloaded = [[3], [8, 2], [], [11, 5, 7, 13], [1], [6]]  # slots of 3 blocks: groups (0, 2) and (4, 5)
+    resident = [[4], [9, 10], [12, 14], [15], [16, 17], [18, 19]]  # device blocks after the host ones
+    seq_lens = [6, 11, 7, 17, 10, 12]
+    new_tokens = [1, 1, 1, 1, 1, 4]  # the last: a prompt chunk
+    width = max(len(h) + len(r) for h, r in zip(offloaded, resident))
+    tables = torch.tensor([[-1] * len(h) + r + [0] * (width - len(h) - len(r)) for h, r in zip(offloaded, resident)],
+                          dtype=torch.int32)
+    starts = [0]
+    for n in new_tokens:
+        starts.append(starts[-1] + n)
+    slots = [int(tables[i, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+             for i, (n, L) in enumerate(zip(new_tokens, seq_lens)) for p in range(L - n, L)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(
+            seq_lens, dtype=torch.int32), block_tables=tables, num_decodes=5, max_query_len=4, max_seq_len=17,
+        query_start_loc_cpu=starts, seq_lens_cpu=seq_lens, offloaded=offloaded)
+    rows = starts[-1]
+    q = torch.randn(rows, HEADS, HEAD_DIM, generator=g)
+    k, v = (torch.randn(rows, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    engine = OffloadEngine(host, 2, 3, torch.device("cpu"), fast=fast)
+    assert [(grp.first, grp.last) for grp in engine._groups(meta, q.device)[0]] == [(0, 2), (4, 5)]
+    cache = kv_cache.clone()
+    for layer in range(LAYERS):
+        got = engine.forward(layer, q, k, v, cache[0, layer], cache[1, layer], meta, SCALE)
+        for i, (s, e) in enumerate(zip(starts, starts[1:])):
+            keys, values = (torch.cat([host[kv, layer, offloaded[i]].flatten(0, 1),
+                                       cache[kv, layer, resident[i]].flatten(0, 1)])[:seq_lens[i]] for kv in (0, 1))
+            positions = torch.arange(seq_lens[i])
+            mask = positions[None, :] <= positions[seq_lens[i] - (e - s):, None]
+            want, _ = attention_with_lse(q[s:e], keys, values, SCALE, mask)
+            torch.testing.assert_close(got[s:e], want, rtol=1e-4, atol=1e-4)
+    assert not engine.in_ring and not engine.pending

@@ -10,12 +10,15 @@ and the copies run in order: the same code and bookkeeping, tested in CI.
 
 forward() is a step's attention where some sequence has offloaded blocks (the scheduler moves a sequence's leading
 blocks to the pool when the GPU runs out, engine/block_manager.offload): per sequence, its resident blocks from the
-device cache and its offloaded ones through the ring, merged. It runs eagerly. With `fast` (the Triton kernels on
+device cache and its offloaded ones through the ring, merged. Decoding sequences whose offloaded blocks fit a slot
+together share it (a PackedGroup): one load, one attention launch and one merge a layer for all of them, since the
+host's work a part, not the link, bounds a step of many short offloaded contexts. It runs eagerly. With `fast` (the Triton kernels on
 CUDA) the rows attend to their resident blocks by the paged decode (decode rows) and the causal paged prefill (prompt
 chunks), and to each slot by the paged decode (decode rows) or torch's flash attention (prompt chunks), each
 giving its log-sum-exp; a sequence's parts merge once a layer in one kernel (kernels/merge_attention.py), and the
 new K/V are stored by the Triton store. Without it, plain torch (attention/merge.py, the twin)."""
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +50,35 @@ def split_lengths(capacity: int) -> list[int]:
 def slot_blocks(pool: torch.Tensor) -> int:
     """Blocks of one layer (K and V) that fill OFFLOAD_SLOT_BYTES, or the whole pool where it is smaller."""
     return max(1, min(pool.shape[2], OFFLOAD_SLOT_BYTES // (pool[:, 0, 0].numel() * pool.element_size())))
+
+
+@dataclass
+class PackedGroup:
+    """Decode rows first..last-1 (one a sequence) whose offloaded blocks are loaded into one slot, one after another:
+    row r reads slot blocks tables[r] for lens[r] tokens."""
+
+    first: int
+    last: int
+    blocks: list[int]  # the pool blocks, in slot order
+    tables: torch.Tensor  # [rows, widest] int32, slot block indices
+    lens: torch.Tensor  # [rows] int32
+    tokens: int  # the longest row's
+
+
+def pack_decodes(offloaded: list[list[int]], num_decodes: int, slot_blocks: int) -> list[tuple[int, int]]:
+    """Runs (first, last) of consecutive decode sequences whose offloaded blocks fill one slot together at most."""
+    runs, first, held = [], None, 0
+    for i in range(num_decodes):
+        n = len(offloaded[i])
+        if first is not None and (n == 0 or n > slot_blocks or held + n > slot_blocks):
+            runs.append((first, i))
+            first = None
+        if first is None and 0 < n <= slot_blocks:
+            first, held = i, 0
+        held += n
+    if first is not None:
+        runs.append((first, num_decodes))
+    return runs
 
 
 class OffloadEngine:
@@ -113,25 +145,74 @@ class OffloadEngine:
         outs = torch.empty((count, *q.shape), dtype=torch.float32, device=q.device)
         lses = torch.empty((count, *q.shape[:2]), dtype=torch.float32, device=q.device)
         for j, part in enumerate(parts):
-            slot, *planned = self.in_ring.popleft()
-            assert planned == [layer, part], "attend() calls left the planned order"
-            if self.streams is not None:
-                torch.cuda.current_stream().wait_event(self.loaded[slot])
+            slot = self._take_slot(layer, part)
             tokens = min(length - j * self.slot_blocks * self.block_size, len(part) * self.block_size)
             self._attend_slot(q, slot, len(part), tokens, scale, outs[j], lses[j])
-            if self.streams is not None:
-                self.consumed[slot].record()
-            self._fill()
+            self._release_slot(slot)
         if resident is not None:
             outs[-1], lses[-1] = resident
+        return self._merge(outs, lses, out)
+
+    def _take_slot(self, layer: int, blocks: list[int]) -> int:
+        """The ring's next slot, which must hold these blocks of this layer, once loaded."""
+        slot, *planned = self.in_ring.popleft()
+        assert planned == [layer, blocks], "attend() calls left the planned order"
+        if self.streams is not None:
+            torch.cuda.current_stream().wait_event(self.loaded[slot])
+        return slot
+
+    def _release_slot(self, slot: int):
+        """The slot attended to: it may load the next planned part."""
+        if self.streams is not None:
+            self.consumed[slot].record()
+        self._fill()
+
+    def _merge(self, outs: torch.Tensor, lses: torch.Tensor, out: torch.Tensor | None):
         if self.fast:  # one kernel instead of the twin's ~10 eager ops a layer
             from nanovllm.kernels.merge_attention import merge_parts_fused
 
-            out = torch.empty(q.shape, dtype=torch.float32, device=q.device) if out is None else out
-            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            out = torch.empty(outs.shape[1:], dtype=torch.float32, device=outs.device) if out is None else out
+            lse = torch.empty(outs.shape[1:3], dtype=torch.float32, device=outs.device)
             return merge_parts_fused(outs, lses, out, lse), lse
         merged, lse = merge_parts(outs, lses)
         return (merged if out is None else out.copy_(merged)), lse
+
+    def _groups(self, meta: AttentionMetadata, device) -> tuple[list[PackedGroup], dict[int, PackedGroup]]:
+        """The step's packed groups (computed at the first layer, kept in meta.scratch), and each by its first row."""
+        if "offload_groups" not in meta.scratch:
+            groups = []
+            for first, last in pack_decodes(meta.offloaded, meta.num_decodes, self.slot_blocks):
+                counts = [len(b) for b in meta.offloaded[first:last]]
+                starts = [sum(counts[:r]) for r in range(len(counts))]
+                tables = torch.tensor([[min(st + j, st + n - 1) for j in range(max(counts))]
+                                       for st, n in zip(starts, counts)], dtype=torch.int32)
+                groups.append(PackedGroup(first, last, [b for blocks in meta.offloaded[first:last] for b in blocks],
+                                          tables.to(device), torch.tensor(counts, dtype=torch.int32).mul_(
+                                              self.block_size).to(device), max(counts) * self.block_size))
+            meta.scratch["offload_groups"] = groups, {g.first: g for g in groups}
+        return meta.scratch["offload_groups"]
+
+    def _attend_packed(self, layer: int, q: torch.Tensor, group: PackedGroup, scale: float,
+                       resident: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor):
+        """The group's rows against their blocks in the slot they share, merged with their resident parts into out."""
+        slot = self._take_slot(layer, group.blocks)
+        rows = q[group.first:group.last]
+        outs = torch.empty((2, *rows.shape), dtype=torch.float32, device=q.device)
+        lses = torch.empty((2, *rows.shape[:2]), dtype=torch.float32, device=q.device)
+        k_slot, v_slot = self.slots[slot, 0, 0], self.slots[slot, 1, 0]
+        if self.fast:
+            from nanovllm.kernels.paged_attention import paged_decode
+
+            paged_decode(rows, k_slot, v_slot, group.tables, group.lens, scale, slot_splits(group.tokens),
+                         out=outs[0], lse=lses[0])
+        else:
+            for r in range(rows.shape[0]):
+                table = group.tables[r, :-(-int(group.lens[r]) // self.block_size)].long()
+                outs[0, r:r + 1], lses[0, r:r + 1] = attention_with_lse(
+                    rows[r:r + 1], k_slot[table].flatten(0, 1), v_slot[table].flatten(0, 1), scale)
+        self._release_slot(slot)
+        outs[1], lses[1] = resident
+        self._merge(outs, lses, out[group.first:group.last])
 
     def _attend_slot(self, q: torch.Tensor, slot: int, num_blocks: int, tokens: int, scale: float,
                      out: torch.Tensor, lse: torch.Tensor):
@@ -211,9 +292,9 @@ class OffloadEngine:
         prompt prefilled a layer at a time attends through its LayerMajorPrefill (kvcache/layer_major.py) instead."""
         if (layer_major := meta.scratch.get("layer_major")) is not None:
             return layer_major.attend(layer, q, k, v, meta, scale)
-        if layer == 0:  # the step's every offloaded part, layer by layer, in the order attend() reads them
-            self.plan([(i, part) for i in range(self.pool.shape[1]) for blocks in meta.offloaded if blocks
-                       for part in self.parts(blocks)])
+        groups, group_at = self._groups(meta, q.device)
+        if layer == 0:  # the step's every offloaded part, layer by layer, in the order forward() reads them
+            self.plan([(i, part) for i in range(self.pool.shape[1]) for part in self._step_parts(meta, group_at)])
         if self.fast:
             from nanovllm.kernels.kv_store import store_kv
 
@@ -222,20 +303,49 @@ class OffloadEngine:
             store_kv_reference(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         starts = meta.query_start_loc_cpu
-        resident = self._attend_resident(q, k_cache, v_cache, meta, scale) if self.fast else None
+        res_out, res_lse = (self._attend_resident if self.fast else self._attend_resident_twin)(
+            q, k_cache, v_cache, meta, scale)
+        i = 0
+        while i < meta.num_seqs:
+            if (group := group_at.get(i)) is not None:
+                rows = slice(group.first, group.last)
+                self._attend_packed(layer, q, group, scale, (res_out[rows], res_lse[rows]), out)
+                i = group.last
+                continue
+            s, e, host_blocks = starts[i], starts[i + 1], meta.offloaded[i]
+            if host_blocks:
+                self.attend(layer, q[s:e], host_blocks, len(host_blocks) * self.block_size, scale,
+                            resident=(res_out[s:e], res_lse[s:e]), out=out[s:e])
+            else:
+                out[s:e] = res_out[s:e]
+            i += 1
+        return out
+
+    def _step_parts(self, meta: AttentionMetadata, group_at: dict[int, PackedGroup]) -> list[list[int]]:
+        """A layer's parts in the order forward() reads them: a packed group's blocks at once, other sequences'
+        blocks a slot at a time."""
+        parts, i = [], 0
+        while i < meta.num_seqs:
+            if (group := group_at.get(i)) is not None:
+                parts.append(group.blocks)
+                i = group.last
+                continue
+            if meta.offloaded[i]:
+                parts += self.parts(meta.offloaded[i])
+            i += 1
+        return parts
+
+    def _attend_resident_twin(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """_attend_resident in plain torch: each sequence's rows against its resident blocks, causal -> (out, lse)."""
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        starts = meta.query_start_loc_cpu
         for i, (seq_len, host_blocks) in enumerate(zip(meta.seq_lens_cpu, meta.offloaded)):
             s, e = starts[i], starts[i + 1]
             host_tokens = len(host_blocks) * self.block_size
-            if resident is not None:
-                part = resident[0][s:e], resident[1][s:e]
-            else:
-                table = meta.block_tables[i, len(host_blocks):-(-seq_len // self.block_size)].long()
-                keys, values = (cache[table].flatten(0, 1)[:seq_len - host_tokens] for cache in (k_cache, v_cache))
-                query_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
-                key_pos = torch.arange(host_tokens, seq_len, device=q.device)
-                part = attention_with_lse(q[s:e], keys, values, scale, key_pos[None, :] <= query_pos[:, None])
-            if host_blocks:
-                self.attend(layer, q[s:e], host_blocks, host_tokens, scale, resident=part, out=out[s:e])
-            else:
-                out[s:e] = part[0]
-        return out
+            table = meta.block_tables[i, len(host_blocks):-(-seq_len // self.block_size)].long()
+            keys, values = (cache[table].flatten(0, 1)[:seq_len - host_tokens] for cache in (k_cache, v_cache))
+            query_pos = torch.arange(seq_len - (e - s), seq_len, device=q.device)
+            key_pos = torch.arange(host_tokens, seq_len, device=q.device)
+            out[s:e], lse[s:e] = attention_with_lse(q[s:e], keys, values, scale, key_pos[None, :] <= query_pos[:, None])
+        return out, lse
