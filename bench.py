@@ -257,8 +257,9 @@ def main():
     ap.add_argument("--mode", default="throughput", choices=["throughput", "decode1", "prefill", "sweep"])
     ap.add_argument("--model", default="qwen3-0.6b", help="a path, 'smollm2', a synthetic shape (" + ", ".join(SHAPES)
                     + "), or a synthetic GGUF: SHAPE:TYPE, e.g. llama3-8b:Q4_K")
-    ap.add_argument("--tokenizer-gguf", default=None, help="synthetic GGUF: the GGUF whose tokenizer to copy "
-                    "(default: the bundled model)")
+    ap.add_argument("--tokenizer-gguf", default=os.environ.get("NANOVLLM_TOKENIZER_GGUF"),
+                    help="synthetic GGUF: the GGUF whose tokenizer to copy (default: $NANOVLLM_TOKENIZER_GGUF, else "
+                    "the bundled model)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
     ap.add_argument("--num-seqs", type=int, default=256)
