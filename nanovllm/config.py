@@ -5,7 +5,6 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from nanovllm.logger import log_once
-from nanovllm.models.registry import DENSE_WEIGHTS_ONLY
 from nanovllm.platform import default_block_size, why_no_fp8
 from nanovllm.rope_scaling import rope_parameters, scaled_max_positions
 from nanovllm.weights.model_files import LOAD_FORMATS, load_model_config
@@ -176,11 +175,7 @@ class Config:
         if q == "gguf":
             _require(fmt == "gguf", f"quantization='gguf' needs a .gguf model file; {self.model} is {fmt}")
         if q is None and fmt == "gguf":
-            if architecture in DENSE_WEIGHTS_ONLY:
-                q = "none"
-                log_once(f"{architecture} takes no quantized weights yet: the GGUF file's weights are dequantized "
-                         "at load")
-            elif self.device != "cpu":
+            if self.device != "cpu":
                 q = "gguf"
             else:  # bf16 activations (quant/cpu_int4.py) give other greedy tokens than HF's fp32 on SmolLM2
                 log_once("GGUF on CPU: weights dequantized to fp32 at load (HF's greedy tokens); quantization='gguf' "

@@ -203,13 +203,24 @@ def _tiled(t: torch.Tensor, dim: int, hk: int, per_k: int, head_dim: int) -> tor
     return t.reshape(*shape[:dim], hk, per_k, head_dim, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
 
 
-def write_hybrid_gguf(model, path):
+def write_hybrid_gguf(model, path, expert_type: str | None = None):
     """A Qwen3-Next or Qwen3.5 checkpoint as llama.cpp's converter writes it (conversion/qwen.py: Qwen3NextModel,
     Qwen3_5TextModel, Qwen3_5MoeTextModel; checked tensor by tensor against that converter's own output of the same
     checkpoints on 2026-11-28): Qwen3-Next's q, k, v de-interleaved into attn_qkv and z into attn_gate, Qwen3.5's
     value heads tiled, ssm_a = -exp(A_log), ssm_dt.bias, the conv1d squeezed, zero-centered norms stored as 1 + w.
-    F32 throughout; no tokenizer (the test passes the HF one)."""
+    F32 throughout but the routed experts where expert_type names a block type (gguf-py quantizes them, and the
+    model's experts become the blocks' values); no tokenizer (the test passes the HF one)."""
     import gguf
+    from gguf.quants import dequantize, quantize
+
+    def experts(name: str, t: torch.Tensor):
+        """Write t, in blocks where expert_type says so, and leave the blocks' values in it."""
+        if expert_type is None:
+            return writer.add_tensor(name, t.contiguous().numpy())
+        kind = getattr(gguf.GGMLQuantizationType, expert_type)
+        blocks = quantize(t.contiguous().numpy(), kind)
+        t.copy_(torch.from_numpy(dequantize(blocks, kind)).view_as(t))
+        writer.add_tensor(name, blocks, raw_dtype=kind)
 
     c = model.config
     next_ = c.model_type == "qwen3_next"
@@ -245,8 +256,8 @@ def write_hybrid_gguf(model, path):
              "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
              "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
     per_k, qk = hv // hk, 2 * hk * dk
-    for name, t in model.state_dict().items():
-        t = t.float()
+    for name, original in model.state_dict().items():
+        t = original.float().clone()
         if name.endswith("norm.weight") and ".linear_attn." not in name:
             t = t + 1
         if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
@@ -274,10 +285,12 @@ def write_hybrid_gguf(model, path):
             writer.add_tensor(blk + "attn_gate.weight", z.reshape(-1, t.shape[1]).contiguous().numpy())
         elif rest == "mlp.experts.gate_up_proj":
             gate, up = t.chunk(2, dim=1)
-            writer.add_tensor(blk + "ffn_gate_exps.weight", gate.contiguous().numpy())
-            writer.add_tensor(blk + "ffn_up_exps.weight", up.contiguous().numpy())
+            experts(blk + "ffn_gate_exps.weight", gate)
+            experts(blk + "ffn_up_exps.weight", up)
+            original.copy_(t)  # the blocks' values back into the model
         elif rest == "mlp.experts.down_proj":
-            writer.add_tensor(blk + "ffn_down_exps.weight", t.contiguous().numpy())
+            experts(blk + "ffn_down_exps.weight", t)
+            original.copy_(t)
         else:
             writer.add_tensor(blk + names[base] + ".weight", (t.squeeze(1) if "conv1d" in rest else t).numpy())
     writer.write_header_to_file()
@@ -302,4 +315,25 @@ def test_a_hybrid_gguf_file_gives_the_checkpoint_tokens(tmp_path, tiny_model_dir
     write_hybrid_gguf(hf, gguf_path)
     llm = LLM(str(gguf_path), tokenizer=path, device="cpu", max_model_len=256, kv_cache_memory_bytes=16 << 20)
     assert type(llm.llm_engine.model_runner.model).__name__ == "Qwen3_5ForCausalLM"
+    assert_greedy_matches_hf(llm, hf, _prompts((7, 45), seed=6), 10)
+
+
+@pytest.mark.parametrize("family", ["qwen3next", "qwen35moe"])
+def test_a_hybrid_gguf_file_keeps_its_experts_in_blocks(tmp_path, tiny_model_dir, family):
+    """Experts in Q8_0 blocks, the rest F32: with quantization="gguf" the routed experts stay in their blocks (the CPU
+    twin dequantizes the ones a step routes to), the rest is dense, and the tokens are HF's on the blocks' values."""
+    if family == "qwen3next":
+        path = write_hf_next(tmp_path, tiny_model_dir("tiny-qwen3"), **{**CONFIGS["top2-renormalized-dense-layer"],
+                                                                        "mlp_only_layers": []})
+        hf = HFQwen3Next.from_pretrained(path, dtype=torch.float32).eval()
+    else:
+        path, model_class = _write_hf_qwen3_5(tmp_path, tiny_model_dir("tiny-qwen3"), moe=True)
+        hf = model_class.from_pretrained(path, dtype=torch.float32).eval()
+    gguf_path = tmp_path / f"{family}-q8_0-experts.gguf"
+    write_hybrid_gguf(hf, gguf_path, expert_type="Q8_0")
+    llm = LLM(str(gguf_path), tokenizer=path, device="cpu", quantization="gguf", max_model_len=256,
+              kv_cache_memory_bytes=16 << 20)
+    sparse = [layer.mlp for layer in llm.llm_engine.model_runner.model.model.layers if hasattr(layer.mlp, "experts")]
+    assert sparse and all(block.experts.w13 is None for block in sparse)
+    assert {part.type_name for block in sparse for part in block.experts.quantized.parts.values()} == {"Q8_0"}
     assert_greedy_matches_hf(llm, hf, _prompts((7, 45), seed=6), 10)

@@ -29,12 +29,13 @@ class Qwen3MoeSparseBlock(nn.Module):
     """The routed experts, and where the config has shared_expert_intermediate_size (Qwen2-MoE, Qwen3-Next,
     Qwen3.5), a shared expert every token runs, scaled by a sigmoid gate."""
 
-    def __init__(self, config, quant_config=None):
+    def __init__(self, config, quant_config=None, experts_only: bool = False):
         """quant_config: a GGUF file's (GGUFConfig): its experts stay in their blocks (quant/gguf_experts.py; on CUDA
         dequantized once loaded unless all are Q4_K, and always where weights stream); the router and shared expert
-        follow it."""
+        follow it, unless experts_only (they are dense)."""
         super().__init__()
-        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, linear_method=_linear_method(quant_config))
+        dense_config = None if experts_only else quant_config
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, linear_method=_linear_method(dense_config))
         kept = quant_config is not None and quant_config.load_device is None
         with torch.device("meta") if kept else contextlib.nullcontext():  # kept quantized: no dense experts at all
             self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
@@ -43,7 +44,7 @@ class Qwen3MoeSparseBlock(nn.Module):
             self.experts.quantized = GGUFExperts(config.num_experts, self.experts.w13.dtype, quant_config.device)
             self.experts.w13 = self.experts.w2 = None
         shared = getattr(config, "shared_expert_intermediate_size", 0)
-        self.shared_expert = LlamaMLP(config, quant_config, intermediate_size=shared) if shared else None
+        self.shared_expert = LlamaMLP(config, dense_config, intermediate_size=shared) if shared else None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared else None
         self.loaded: set[tuple[int | None, str]] = set()  # (expert or None for all, projection) of the checkpoint
 
@@ -67,6 +68,7 @@ class Qwen3MoeSparseBlock(nn.Module):
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     special_params = (".experts.",)
+    experts_only_quantized = False  # a GGUF file's router and shared expert dense too (only the experts in blocks)
 
     def __init__(self, config, quant_config=None):
         if quant_config is not None and not isinstance(quant_config, GGUFConfig) or getattr(quant_config, "int4", False):
@@ -80,7 +82,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         sparse = layer_index not in (getattr(config, "mlp_only_layers", None) or []) \
             and getattr(config, "num_experts", 0) > 0 \
             and (layer_index + 1) % getattr(config, "decoder_sparse_step", 1) == 0
-        return Qwen3MoeSparseBlock(config, quant_config) if sparse else None
+        return Qwen3MoeSparseBlock(config, quant_config, self.experts_only_quantized) if sparse else None
 
     def load_special(self, name: str, tensor: torch.Tensor) -> bool:
         match = EXPERT_TENSOR.match(name)

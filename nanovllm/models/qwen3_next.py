@@ -33,7 +33,9 @@ from nanovllm.layers.linear_attention import (
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.logger import log_once
 from nanovllm.models.llama import LlamaMLP, LlamaModel
-from nanovllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from nanovllm.models.qwen3_moe import EXPERT_TENSOR, Qwen3MoeForCausalLM
+from nanovllm.quant.gguf_linear import GGUFConfig
+from nanovllm.quant.gguf_weight import GGUFWeight
 from nanovllm.rope_scaling import rope_parameters
 
 
@@ -269,6 +271,7 @@ def layer_types(config) -> list[str]:
 
 class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     supports_prefill_graphs = False  # prompts' linear attention reads host values (fla-core, the sequences' lengths)
+    experts_only_quantized = True  # the linear attention takes no quantized weights: a GGUF file's experts alone stay
     linear_attention = GatedDeltaNet
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -276,19 +279,28 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     def __init__(self, config, quant_config=None):
         nn.Module.__init__(self)
         name = config.architectures[0]
-        if quant_config is not None:
-            raise NotImplementedError(f"quantized weights are not supported yet for {name}: pass quantization='none'")
+        if quant_config is not None and (not isinstance(quant_config, GGUFConfig) or quant_config.int4):
+            raise NotImplementedError(f"quantization at load is not supported yet for {name}: pass quantization=None")
         if tp_size() > 1:
             raise NotImplementedError(f"tensor_parallel_size > 1 is not supported yet for {name}")
-        self.model = Qwen3NextModel(config, lambda i: self.make_mlp(config, i, None) or LlamaMLP(config),
+        if quant_config is not None:
+            log_once(f"{name}: a GGUF file's routed experts stay in their blocks; its other weights are dequantized at "
+                     "load")
+        self.model = Qwen3NextModel(config, lambda i: self.make_mlp(config, i, quant_config) or LlamaMLP(config),
                                     self.linear_attention)
         self.tied = getattr(config, "tie_word_embeddings", False)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, self.model.embed_tokens if self.tied else None)
 
     def load_weights(self, weights):
-        """The zero-centered RMSNorms (not the gated one inside the linear attention) load as 1 + weight."""
-        super().load_weights((name, tensor + 1 if name.endswith("norm.weight") and ".linear_attn." not in name
-                              else tensor) for name, tensor in weights)
+        """The zero-centered RMSNorms (not the gated one inside the linear attention) load as 1 + weight; a GGUF
+        file's blocks are dequantized but the routed experts'."""
+        super().load_weights((name, self._dense(name, tensor)) for name, tensor in weights)
+
+    @staticmethod
+    def _dense(name: str, tensor):
+        if isinstance(tensor, GGUFWeight) and not EXPERT_TENSOR.match(name):
+            tensor = tensor.dequantize()
+        return tensor + 1 if name.endswith("norm.weight") and ".linear_attn." not in name else tensor
 
 
 class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):

@@ -65,7 +65,7 @@ def _grouped(name: str, tensor, c):
     if hk == hv:
         return tensor
     if isinstance(tensor, GGUFWeight):
-        tensor = tensor.dequantize()  # these models take dense weights (no quantized linear attention yet)
+        tensor = tensor.dequantize()  # the linear attention takes dense weights (models/qwen3_next.py)
     qk = 2 * hk * c.linear_key_head_dim
     dv = c.linear_value_head_dim
     if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):  # only the value rows / channels, after q and k
