@@ -59,3 +59,18 @@ def test_a_synthetic_qwen3_5_moe_gguf_keeps_its_experts_in_blocks(tmp_path):
     del kept, model
     dense = LLM(str(path), **kw)
     assert got == [o.outputs[0].token_ids for o in dense.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.slow
+def test_a_hybrid_gguf_tokenizer_reads_through_an_alias_where_transformers_lacks_its_architecture(tmp_path):
+    """transformers before 5.2x refuses qwen35moe GGUF files; their tokenizer.* metadata read as qwen3's is the same
+    tokenizer."""
+    from transformers import AutoTokenizer
+
+    from nanovllm.weights.model_files import _tokenizer_through_alias
+
+    path = write_gguf(HYBRID, "Q8_0", str(tmp_path / "hybrid.gguf"))
+    direct = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="hybrid.gguf")
+    aliased = _tokenizer_through_alias(str(path), tmp_path / "cache")
+    text = "Hello, world! The capital of France is Paris. 12345 éà"
+    assert aliased(text).input_ids == direct(text).input_ids and len(aliased) == len(direct)

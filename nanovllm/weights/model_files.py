@@ -16,6 +16,8 @@ from nanovllm.weights.gguf_loader import gguf_hf_config, iterate_gguf
 from nanovllm.weights.safetensors_loader import iterate_safetensors, safetensors_files
 
 TOKENIZER_CACHE = cache_dir("tokenizers")
+# architectures whose GGUF tokenizers older transformers cannot read -> one of the same tokenizer family it can
+TOKENIZER_ALIASES = {"qwen3next": "qwen3", "qwen35": "qwen3", "qwen35moe": "qwen3"}
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
@@ -78,12 +80,42 @@ def load_tokenizer(model: str, tokenizer: str | None = None):
     if (cache / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(cache)
     log_once(f"building the tokenizer from {source}'s GGUF metadata (cached in {cache})", logging.DEBUG)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(source)), gguf_file=os.path.basename(source))
+    try:
+        tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(source)), gguf_file=os.path.basename(source))
+    except ValueError as e:  # "GGUF model with architecture ... is not supported yet"
+        if "not supported" not in str(e):
+            raise
+        tok = _tokenizer_through_alias(source, cache)
     try:
         tok.save_pretrained(cache)
     except OSError:
         pass  # a read-only home only costs the rebuild next time
     return tok
+
+
+def _tokenizer_through_alias(source: str, cache: Path):
+    """The tokenizer of a GGUF file whose architecture this transformers cannot read: its tokenizer.* metadata copied
+    into a tensorless GGUF of an architecture of the same tokenizer family, which it reads."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    if arch not in TOKENIZER_ALIASES:
+        raise ValueError(f"this transformers cannot build the tokenizer of {source} (architecture {arch}); pass "
+                         "tokenizer= a directory or GGUF file with the same tokenizer, or upgrade transformers")
+    log_once(f"transformers cannot read {arch} GGUF tokenizers: {source}'s is read as {TOKENIZER_ALIASES[arch]}'s")
+    cache.mkdir(parents=True, exist_ok=True)
+    alias = cache / "tokenizer-only.gguf"
+    writer = gguf.GGUFWriter(str(alias), TOKENIZER_ALIASES[arch])
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            writer.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return AutoTokenizer.from_pretrained(str(cache), gguf_file=alias.name)
 
 
 def iterate_weights(model_config, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
