@@ -77,3 +77,27 @@ def test_streamed_experts_on_the_gpu_give_the_resident_tokens(tiny_model_dir, sh
     llm = LLM(path, cpu_offload_gb=3 * moe_layers * 24_576 / (1 << 30), **kw)
     assert _tokens(llm) == want
     assert llm.llm_engine.model_runner.streamer.num_loaded > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_q4_k_experts_stream_as_their_blocks_on_the_gpu(tmp_path):
+    """A qwen3moe file of Q4_K experts in fp32: 5 of 8 a layer in pinned host memory, gathered as blocks into the
+    device pool for the fused Q4_K kernel: the tokens of the run that holds them all."""
+    import os
+
+    from nanovllm.weights.synthetic_gguf import write_gguf
+
+    shape = dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=0, hidden_size=256,
+                 intermediate_size=256, moe_intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                 decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=1024, rope_theta=1e6)
+    path = str(write_gguf(shape, "Q4_K", str(tmp_path / "moe-q4_k.gguf"), os.environ.get("NANOVLLM_TOKENIZER_GGUF")))
+    kw = dict(device="cuda", dtype="float32", max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    want = _tokens(LLM(path, **kw))
+    expert = 3 * 256 * 144  # gate, up and down: 256 rows of one 144-byte Q4_K block each
+    llm = LLM(path, cpu_offload_gb=5 * 2 * expert / (1 << 30), **kw)
+    offload = llm.llm_engine.model_runner.streamer
+    assert offload.placement.resident == 3 and torch.uint8 in {t.dtype for t in offload.pool.stacks.values()}
+    assert _tokens(llm) == want
+    assert offload.num_loaded > 0

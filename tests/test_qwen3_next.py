@@ -337,3 +337,31 @@ def test_a_hybrid_gguf_file_keeps_its_experts_in_blocks(tmp_path, tiny_model_dir
     assert sparse and all(block.experts.w13 is None for block in sparse)
     assert {part.type_name for block in sparse for part in block.experts.quantized.parts.values()} == {"Q8_0"}
     assert_greedy_matches_hf(llm, hf, _prompts((7, 45), seed=6), 10)
+
+
+@pytest.mark.parametrize("tiers", ["host", "host and disk"])
+def test_experts_kept_in_blocks_stream_past_the_device(tmp_path, tiny_model_dir, monkeypatch, tiers):
+    """Q8_0 experts past the device (here the CPU plays it): 3 of 6 a layer held, the others in host memory (and 2
+    of them on disk), moved as their blocks when routed, the held set revised every 3 forwards of a layer: the
+    tokens of the run that holds them all."""
+    import nanovllm.streaming.expert_offload as expert_offload
+    from nanovllm.streaming.expert_offload import ExpertOffload
+
+    monkeypatch.setattr(expert_offload, "REVISE_EVERY", 3)
+    path, model_class = _write_hf_qwen3_5(tmp_path, tiny_model_dir("tiny-qwen3"), moe=True)
+    gguf_path = tmp_path / "q8_0-experts.gguf"
+    write_hybrid_gguf(model_class.from_pretrained(path, dtype=torch.float32).eval(), gguf_path, expert_type="Q8_0")
+    kw = dict(tokenizer=path, device="cpu", quantization="gguf", max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    prompts = [{"prompt_token_ids": p} for p in _prompts((7, 45), seed=6)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(gguf_path), **kw).generate(prompts, params, use_tqdm=False)]
+    gib = 4 * (3 * 64 * 34) / (1 << 30)  # one expert in each of the 4 layers: gate, up, down 64 Q8_0 blocks each
+    budgets = dict(cpu_offload_gb=3 * gib) if tiers == "host" else \
+        dict(cpu_offload_gb=gib, disk_offload_gb=2 * gib, offload_folder=str(tmp_path))
+    llm = LLM(str(gguf_path), **kw, **budgets)
+    offload = llm.llm_engine.model_runner.streamer
+    assert isinstance(offload, ExpertOffload) and offload.placement.resident == 3
+    assert offload.placement.disk == (2 if tiers == "host and disk" else 0)
+    assert {t.dtype for t in offload.pool.stacks.values()} == {torch.uint8, torch.float16}  # Q8_0's fields, not dense
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+    assert offload.num_loaded > 0 and any(layer.resident != [0, 1, 2] for layer in offload.layers)

@@ -57,11 +57,10 @@ def _stream_layers(model, config, device: torch.device) -> LayerStreamer | Exper
     """A mixture of experts streams experts, any other model whole decoder layers."""
     moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
     if moes:
-        offload = ExpertOffload.for_model(moes, config, device)
-        model.to(device)
-        return offload
-    streamer = LayerStreamer.for_layers(list(model.model.layers), device, config.cpu_offload_gb,
-                                        config.disk_offload_gb, config.offload_folder)
+        streamer = ExpertOffload.for_model(moes, config, device)
+    else:
+        streamer = LayerStreamer.for_layers(list(model.model.layers), device, config.cpu_offload_gb,
+                                            config.disk_offload_gb, config.offload_folder)
     model.to(device)
     streamed = streamer.module_ids()
     for module in model.modules():  # quantized blocks are no module tensors: .to() leaves them

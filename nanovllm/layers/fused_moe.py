@@ -54,7 +54,8 @@ def moe_per_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
 class FusedMoE(CustomOp):
     """num_experts SiLU-gated MLPs of hidden_size -> intermediate_size -> hidden_size, their weights stacked; each
     token runs the top_k that its router logits pick (renormalized to sum to one where the model says so). With
-    experts past the GPU (streaming/expert_offload.py), w13 and w2 hold the resident ones and `offload` runs them."""
+    experts past the GPU (streaming/expert_offload.py), the layer holds the resident ones (w13 and w2, or the
+    quantized blocks) and `offload` runs them; stacks() / hold() / run_held() give it the experts in any rows."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool):
         super().__init__()
@@ -70,17 +71,41 @@ class FusedMoE(CustomOp):
         if self.offload is not None:
             return self.offload.run(self, x, weights, ids)
         if self.quantized is not None:
-            if x.is_cuda:
-                from nanovllm.kernels.fused_moe_q4k import fused_moe_q4k
-
-                return fused_moe_q4k(x, *self.quantized.q4_k(), weights, ids, self.num_experts)
-            return moe_sorted(x, *self.quantized.views(), weights, ids)
+            return self._run_quantized(x, self.quantized, weights, ids)
         return self.experts(x, self.w13, self.w2, weights, ids)
 
+    @staticmethod
+    def _run_quantized(x: torch.Tensor, experts, weights: torch.Tensor, ids: torch.Tensor,
+                       leaves_out: bool = False) -> torch.Tensor:
+        if x.is_cuda:
+            from nanovllm.kernels.fused_moe_q4k import fused_moe_q4k
+
+            return fused_moe_q4k(x, *experts.q4_k(), weights, ids, experts.num_experts, leaves_out=leaves_out)
+        return moe_sorted(x, *experts.views(), weights, ids)
+
+    def stacks(self) -> dict[str, torch.Tensor]:
+        """The held experts' weights expert-major (dim 0 picks an expert), by name: w13 and w2, or the fields of the
+        quantized blocks (quant/gguf_experts.py)."""
+        return self.quantized.stacks() if self.quantized is not None else {"w13": self.w13.data, "w2": self.w2.data}
+
+    def hold(self, stacks: dict[str, torch.Tensor]):
+        """Make stacks (as stacks() names them, of any number of experts) the layer's own experts."""
+        if self.quantized is not None:
+            self.quantized = self.quantized.over(stacks)
+        else:
+            self.w13, self.w2 = (nn.Parameter(stacks[name], requires_grad=False) for name in ("w13", "w2"))
+
+    def run_held(self, x: torch.Tensor, stacks: dict[str, torch.Tensor], weights: torch.Tensor,
+                 rows: torch.Tensor) -> torch.Tensor:
+        """The experts in stacks on the pairs whose rows [T, k] index them (-1: a pair left out)."""
+        if self.quantized is not None:
+            return self._run_quantized(x, self.quantized.over(stacks), weights, rows, leaves_out=True)
+        return self.experts(x, stacks["w13"], stacks["w2"], weights, rows, leaves_out=True)
+
     def settle_quantized(self):
-        """Once loaded: on CUDA, experts the fused kernels cannot read as blocks (types other than Q4_K) are
-        dequantized into w13 / w2, logged once."""
-        if self.quantized.device.type != "cuda" or self.quantized.q4_k() is not None:
+        """Once loaded: where they run on CUDA, experts the fused kernels cannot read as blocks (types other than
+        Q4_K) are dequantized into w13 / w2, logged once."""
+        if self.quantized.run_device.type != "cuda" or self.quantized.q4_k() is not None:
             return
         from nanovllm.logger import log_once
 

@@ -13,12 +13,10 @@ from nanovllm.distributed.parallel_state import tp_size
 from nanovllm.layers.fused_moe import FusedMoE
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import ReplicatedLinear
-from nanovllm.logger import log_once
 from nanovllm.models.llama import LlamaMLP, _linear_method
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.quant.gguf_experts import GGUFExperts
 from nanovllm.quant.gguf_linear import GGUFConfig
-from nanovllm.quant.gguf_weight import GGUFWeight
 
 # model.layers.L.mlp.experts.E.gate_proj.weight (a tensor an expert), or model.layers.L.mlp.experts.gate_up_proj
 EXPERT_TENSOR = re.compile(r"model\.layers\.(?P<layer>\d+)\.mlp\.experts\.(?:(?P<expert>\d+)\.)?(?P<proj>\w+?)"
@@ -31,17 +29,18 @@ class Qwen3MoeSparseBlock(nn.Module):
 
     def __init__(self, config, quant_config=None, experts_only: bool = False):
         """quant_config: a GGUF file's (GGUFConfig): its experts stay in their blocks (quant/gguf_experts.py; on CUDA
-        dequantized once loaded unless all are Q4_K, and always where weights stream); the router and shared expert
-        follow it, unless experts_only (they are dense)."""
+        dequantized once loaded unless all are Q4_K); the router and shared expert follow it, unless experts_only
+        (they are dense)."""
         super().__init__()
         dense_config = None if experts_only else quant_config
         self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, linear_method=_linear_method(dense_config))
-        kept = quant_config is not None and quant_config.load_device is None
+        kept = quant_config is not None
         with torch.device("meta") if kept else contextlib.nullcontext():  # kept quantized: no dense experts at all
             self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                     config.moe_intermediate_size, getattr(config, "norm_topk_prob", True))  # 3.5: always
         if kept:
-            self.experts.quantized = GGUFExperts(config.num_experts, self.experts.w13.dtype, quant_config.device)
+            self.experts.quantized = GGUFExperts(config.num_experts, self.experts.w13.dtype,
+                                                 quant_config.weights_device, quant_config.device)
             self.experts.w13 = self.experts.w2 = None
         shared = getattr(config, "shared_expert_intermediate_size", 0)
         self.shared_expert = LlamaMLP(config, dense_config, intermediate_size=shared) if shared else None
@@ -98,10 +97,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if block.experts.quantized is not None:
             block.experts.quantized.load(match["proj"], tensor)
         else:
-            if isinstance(tensor, GGUFWeight):  # every expert's rows of one projection, [experts x rows, cols]
-                log_once("the experts of a GGUF file are dequantized at load where weights stream (the expert cache "
-                         "holds dense experts)")
-                tensor = tensor.dequantize().view(block.experts.num_experts, -1, tensor.shape[1])
             block.experts.load_expert(match["proj"], tensor, expert)
         block.loaded.add((expert, match["proj"]))
         return True

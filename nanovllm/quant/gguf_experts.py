@@ -25,9 +25,12 @@ class ExpertView:
 
 
 class GGUFExperts:
-    def __init__(self, num_experts: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, num_experts: int, dtype: torch.dtype, device: torch.device,
+                 run_device: torch.device | None = None):
+        """device: where the blocks load; run_device: where the experts run (the same unless they stream)."""
         self.num_experts, self.dtype, self.device = num_experts, dtype, device
-        self.parts: dict[str, GGUFWeight] = {}
+        self.run_device = run_device or device
+        self.parts: dict[str, GGUFWeight | torch.Tensor] = {}
 
     def load(self, name: str, weight: GGUFWeight | torch.Tensor):
         """name: gate_proj, up_proj, gate_up_proj or down_proj, every expert's rows at once ([experts x rows, cols];
@@ -49,6 +52,28 @@ class GGUFExperts:
         w13, w2 = self.views()
         return (torch.stack([w13[e] for e in range(self.num_experts)]),
                 torch.stack([w2[e] for e in range(self.num_experts)]))
+
+    def stacks(self) -> dict[str, torch.Tensor]:
+        """Each projection's tensors expert-major ([experts, rows, ...]: dim 0 picks an expert), named "proj.field"
+        (a GGUFWeight's fields) or "proj" (a dense part)."""
+        out = {}
+        for proj, part in self.parts.items():
+            for field, t in (part.fields.items() if isinstance(part, GGUFWeight) else (("", part),)):
+                out[f"{proj}.{field}" if field else proj] = t.view(self.num_experts, -1, *t.shape[1:])
+        return out
+
+    def over(self, stacks: dict[str, torch.Tensor]) -> "GGUFExperts":
+        """These projections held in stacks (as stacks() names them), of however many experts they hold."""
+        first = next(iter(stacks.values()))
+        experts = GGUFExperts(first.shape[0], self.dtype, first.device, self.run_device)
+        for proj, part in self.parts.items():
+            rows = part.shape[0] // self.num_experts * experts.num_experts
+            if isinstance(part, GGUFWeight):
+                fields = {f: stacks[f"{proj}.{f}"].reshape(rows, -1) for f in part.fields}
+                experts.parts[proj] = GGUFWeight(part.type_name, (rows, part.shape[1]), fields)
+            else:
+                experts.parts[proj] = stacks[proj].reshape(rows, -1)
+        return experts
 
     @property
     def nbytes(self) -> int:

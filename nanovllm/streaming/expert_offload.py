@@ -1,10 +1,10 @@
 """Experts past the GPU. With cpu_offload_gb / disk_offload_gb on a mixture-of-experts model the unit of placement
 is the expert: the layers' dense parts (attention, norms, router, shared expert) and the embeddings stay resident,
 and in each MoE layer as many experts as the budgets leave stay on the device while the rest live in host memory
-(pinned on CUDA) or in a file in offload_folder. A step runs a layer's router, its resident experts on the pairs
-routed to them, then loads the union of the batch's routed non-resident experts into a device pool shared by the
-layers (host ones in one gathered copy each of gate_up and down, disk ones by positional reads through a pinned
-staging buffer) and runs them on theirs. Which experts are resident follows the routing counts seen so far, revised
+(pinned on CUDA) or in a file in offload_folder; a GGUF file's experts stay in their blocks (the unit moved is an
+expert's blocks). A step runs a layer's router, its resident experts on the pairs routed to them, then loads the
+union of the batch's routed non-resident experts into a device pool shared by the layers (host ones in one gathered
+copy a stack, disk ones by positional reads through a pinned staging buffer) and runs them on theirs. Which experts are resident follows the routing counts seen so far, revised
 every `revise_every` forwards of a layer (between the device and host memory; disk experts stay on disk). Steps run
 eagerly: the routed experts are read on the host. On CPU the same bookkeeping, with host tensors as the "device",
 tested in CI."""
@@ -57,57 +57,56 @@ class ExpertPlacement:
 
 class ExpertPool:
     """Device rows that a layer's routed non-resident experts are copied into, shared by the layers (they run one
-    after another), with the pinned staging buffers that gather them on the host."""
+    after another), with the pinned staging buffers that gather them on the host. Its stacks are a layer's
+    (FusedMoE.stacks(): dense w13 and w2, or a GGUF file's blocks), an expert a row."""
 
-    def __init__(self, rows: int, w13_shape, w2_shape, dtype: torch.dtype, device: torch.device):
+    def __init__(self, rows: int, like: dict[str, torch.Tensor], device: torch.device):
         self.cuda = device.type == "cuda"
-        self.w13 = torch.empty(rows, *w13_shape, dtype=dtype, device=device)
-        self.w2 = torch.empty(rows, *w2_shape, dtype=dtype, device=device)
-        self.stage13 = torch.empty(rows, *w13_shape, dtype=dtype, pin_memory=True) if self.cuda else None
-        self.stage2 = torch.empty(rows, *w2_shape, dtype=dtype, pin_memory=True) if self.cuda else None
+        self.stacks = {name: torch.empty(rows, *t.shape[1:], dtype=t.dtype, device=device) for name, t in like.items()}
+        self.stage = {name: torch.empty(rows, *t.shape[1:], dtype=t.dtype, pin_memory=True)
+                      for name, t in like.items()} if self.cuda else self.stacks
         self.copied = torch.cuda.Event() if self.cuda else None
         self.num_loaded = 0  # statistics: experts copied in
 
-    def load(self, host13: torch.Tensor, host2: torch.Tensor, host_rows: list[int], read_disk=None,
-             num_disk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Experts into the pool's first rows: rows host_rows of the host tensors, then num_disk that read_disk(i,
-        w13 row, w2 row) fills from disk."""
+    def load(self, host: dict[str, torch.Tensor], host_rows: list[int], read_disk=None,
+             num_disk: int = 0) -> dict[str, torch.Tensor]:
+        """Experts into the pool's first rows: rows host_rows of the host stacks, then num_disk that read_disk(i,
+        {name: its row}) fills from disk."""
         n = len(host_rows) + num_disk
         self.num_loaded += n
-        stage13, stage2 = (self.stage13, self.stage2) if self.cuda else (self.w13, self.w2)
         if self.cuda:
             self.copied.synchronize()  # the staging rows of the layer before have reached the device
         if host_rows:
             index = torch.tensor(host_rows)
-            torch.index_select(host13, 0, index, out=stage13[:len(host_rows)])
-            torch.index_select(host2, 0, index, out=stage2[:len(host_rows)])
+            for name, stage in self.stage.items():
+                torch.index_select(host[name], 0, index, out=stage[:len(host_rows)])
         for i in range(num_disk):
-            read_disk(i, stage13[len(host_rows) + i], stage2[len(host_rows) + i])
+            read_disk(i, {name: stage[len(host_rows) + i] for name, stage in self.stage.items()})
         if self.cuda:
-            self.w13[:n].copy_(stage13[:n], non_blocking=True)
-            self.w2[:n].copy_(stage2[:n], non_blocking=True)
+            for name, stack in self.stacks.items():
+                stack[:n].copy_(self.stage[name][:n], non_blocking=True)
             self.copied.record()
-        return self.w13[:n], self.w2[:n]
+        return {name: stack[:n] for name, stack in self.stacks.items()}
 
 
 class LayerExperts:
-    """One MoE layer's experts: its resident ones in its FusedMoE's w13 / w2, and in host memory those and the host
-    tier's (host_row_of); the disk tier's in the layer file."""
+    """One MoE layer's experts: its resident ones held by its FusedMoE, and in host memory those and the host tier's
+    (host_row_of); the disk tier's in the layer file."""
 
     def __init__(self, moe, placement: ExpertPlacement, pool: ExpertPool, device: torch.device, revise_every: int,
                  layer_file: LayerFile | None, key: int):
         self.pool, self.revise_every, self.layer_file, self.key = pool, revise_every, layer_file, key
         num_experts, in_host = placement.num_experts, placement.num_experts - placement.disk
+        stacks = moe.stacks()
+        self.names = list(stacks)
         if placement.disk:
-            for e in range(in_host, num_experts):  # each projection at its own aligned offset
-                layer_file.write(self._place(e, 0), moe.w13.data[e].contiguous().view(-1).view(torch.uint8))
-                layer_file.write(self._place(e, 1), moe.w2.data[e].contiguous().view(-1).view(torch.uint8))
+            for e in range(in_host, num_experts):  # each stack's row at its own aligned offset
+                for j, name in enumerate(self.names):
+                    layer_file.write(self._place(e, j), stacks[name][e].contiguous().view(-1).view(torch.uint8))
         pin = device.type == "cuda"
-        self.host13 = moe.w13.data[:in_host].pin_memory() if pin else moe.w13.data[:in_host].clone()
-        self.host2 = moe.w2.data[:in_host].pin_memory() if pin else moe.w2.data[:in_host].clone()
+        self.host = {name: t[:in_host].pin_memory() if pin else t[:in_host].clone() for name, t in stacks.items()}
         self.resident = list(range(placement.resident))
-        moe.w13 = torch.nn.Parameter(self.host13[:placement.resident].to(device, copy=True), requires_grad=False)
-        moe.w2 = torch.nn.Parameter(self.host2[:placement.resident].to(device, copy=True), requires_grad=False)
+        moe.hold({name: t[:placement.resident].to(device, copy=True) for name, t in self.host.items()})
         self.row_of = torch.full((num_experts,), -1, dtype=torch.int64, device=device)  # resident expert -> its row
         self.row_of[:placement.resident] = torch.arange(placement.resident, device=device)
         self.in_host = in_host  # experts 0..in_host-1 have host rows (their index); the rest are on disk
@@ -115,35 +114,34 @@ class LayerExperts:
         self.forwards = 0
         self._staging: torch.Tensor | None = None  # whole pages a disk read lands in
 
-    def _place(self, expert: int, projection: int) -> int:
-        return 2 * (self.key + expert) + projection
+    def _place(self, expert: int, stack: int) -> int:
+        return len(self.names) * (self.key + expert) + stack
 
     def run(self, moe, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         rows = self.row_of[ids]
-        out = moe.experts(x, moe.w13, moe.w2, weights, rows, leaves_out=True) if self.resident else \
-            torch.zeros_like(x)
+        out = moe.run_held(x, moe.stacks(), weights, rows) if self.resident else torch.zeros_like(x)
         needed = ids[rows < 0].unique().tolist()
         if needed:
             host = [e for e in needed if e < self.in_host]
             disk = [e for e in needed if e >= self.in_host]
-            w13, w2 = self.pool.load(self.host13, self.host2, host, lambda i, r13, r2: self._read(disk[i], r13, r2),
-                                     len(disk))
+            loaded = self.pool.load(self.host, host, lambda i, rows_of: self._read(disk[i], rows_of), len(disk))
             pool_row = torch.full_like(self.row_of, -1)
             pool_row[host + disk] = torch.arange(len(needed), device=ids.device)
-            out = out + moe.experts(x, w13, w2, weights, pool_row[ids], leaves_out=True)
+            out = out + moe.run_held(x, loaded, weights, pool_row[ids])
         self.counts.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
         self.forwards += 1
         if self.resident and self.forwards % self.revise_every == 0:
             self.revise(moe)
         return out
 
-    def _read(self, expert: int, row13: torch.Tensor, row2: torch.Tensor):
-        """A disk expert's two projections into host rows (a staging buffer of whole pages between)."""
-        for projection, row in ((0, row13), (1, row2)):
+    def _read(self, expert: int, rows: dict[str, torch.Tensor]):
+        """A disk expert's stacks' rows into host rows (a staging buffer of whole pages between)."""
+        for j, name in enumerate(self.names):
+            row = rows[name]
             nbytes = row.numel() * row.element_size()
             if self._staging is None or self._staging.numel() < aligned(nbytes):
                 self._staging = torch.empty(aligned(nbytes), dtype=torch.uint8, pin_memory=row.is_pinned())
-            self.layer_file.read_into(self._place(expert, projection), self._staging)
+            self.layer_file.read_into(self._place(expert, j), self._staging)
             row.view(-1).view(torch.uint8).copy_(self._staging[:nbytes])
 
     def revise(self, moe):
@@ -152,10 +150,11 @@ class LayerExperts:
         wanted = set(self.counts[:self.in_host].topk(len(self.resident)).indices.tolist())
         leaving = [e for e in self.resident if e not in wanted]
         entering = sorted(wanted - set(self.resident))
+        held = moe.stacks()
         for old, new in zip(leaving, entering):
             row = self.resident.index(old)
-            moe.w13.data[row].copy_(self.host13[new], non_blocking=True)
-            moe.w2.data[row].copy_(self.host2[new], non_blocking=True)
+            for name, stack in held.items():
+                stack[row].copy_(self.host[name][new], non_blocking=True)
             self.resident[row] = new
             self.row_of[old], self.row_of[new] = -1, row
 
@@ -167,8 +166,7 @@ class ExpertOffload:
     def __init__(self, moes: list, placement: ExpertPlacement, device: torch.device, revise_every: int | None = None,
                  layer_file: LayerFile | None = None):
         self.placement, self.device, self.layer_file = placement, device, layer_file
-        w13, w2 = moes[0].w13, moes[0].w2
-        self.pool = ExpertPool(placement.offloaded, w13.shape[1:], w2.shape[1:], w13.dtype, device)
+        self.pool = ExpertPool(placement.offloaded, moes[0].stacks(), device)
         self.layers = []
         for i, moe in enumerate(moes):
             moe.offload = LayerExperts(moe, placement, self.pool, device, revise_every or REVISE_EVERY, layer_file,
@@ -177,12 +175,9 @@ class ExpertOffload:
 
     @classmethod
     def for_model(cls, moes: list, config, device: torch.device) -> "ExpertOffload":
-        if moes[0].quantized is not None:
-            raise NotImplementedError("cpu_offload_gb does not stream experts kept quantized yet (quantization='gguf' "
-                                      "on CPU): every weight is in host memory already")
-        w13, w2 = moes[0].w13, moes[0].w2
-        expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
-        placement = ExpertPlacement.plan(len(moes), w13.shape[0], expert_bytes, int(config.cpu_offload_gb * (1 << 30)),
+        stacks = moes[0].stacks()
+        expert_bytes = sum(t[0].numel() * t.element_size() for t in stacks.values())  # blocks where kept quantized
+        placement = ExpertPlacement.plan(len(moes), moes[0].num_experts, expert_bytes, int(config.cpu_offload_gb * (1 << 30)),
                                          int(config.disk_offload_gb * (1 << 30)))
         in_host = (placement.num_experts - placement.disk) * placement.num_layers  # the resident ones' masters too
         require_host_memory(in_host * expert_bytes, f"cpu_offload_gb={config.cpu_offload_gb:g}")
