@@ -61,7 +61,8 @@ def make_llm(args, model, dtype, **settings) -> LLM:
     llm = LLM(model, device=args.device, dtype=dtype, attention_backend=args.attention_backend,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, quantization=args.quantization,
               tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-              disable_custom_all_reduce=args.disable_custom_all_reduce, load_format=args.load_format, **settings)
+              disable_custom_all_reduce=args.disable_custom_all_reduce, load_format=args.load_format,
+              cpu_offload_gb=args.cpu_offload_gb, **settings)
     engine = llm.llm_engine
     args.engine_used = (f"quantization {engine.model_config.quantization}, "
                         f"attention backend {engine.model_runner.backend.name}, max_model_len "
@@ -274,6 +275,8 @@ def main():
                     "cache reset before each; the median run is the last row) and decode1 (the median is reported)")
     ap.add_argument("--quantization", default=None, help="gguf, none, fp8, int8 or int4; default: the engine's")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--cpu-offload-gb", type=float, default=0, help="GiB of weights in host memory, streamed in "
+                    "(a mixture: experts)")
     ap.add_argument("--load-format", default="auto", help="dummy: random weights drawn at load (a synthetic shape's "
                     "config alone is written; no weight file is read)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model's heads and rows split over")
@@ -292,6 +295,8 @@ def main():
         ap.error("--hf reads the weights from files; --load-format dummy writes none")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if args.device == "cpu" else torch.bfloat16)
     model = resolve_model(args.model, dtype, args.tokenizer_gguf, args.load_format)
+    if args.load_format == "dummy" and ":" in args.model:  # SHAPE:Q4_K: the experts drawn as blocks at load
+        args.quantization = args.quantization or "gguf"
     from nanovllm.weights.model_files import load_model_config
 
     hf_config, _ = load_model_config(model, args.load_format)

@@ -117,7 +117,7 @@ class Config:
         _require(self.load_format in LOAD_FORMATS, f"load_format must be one of {', '.join(LOAD_FORMATS)}, got "
                  f"{self.load_format!r}")
         hf_config, fmt = load_model_config(self.model, self.load_format)
-        quantization = self._resolve_quantization(fmt, hf_config.architectures[0])
+        quantization = self._resolve_quantization(fmt, hf_config)
         dtype = self._resolve_dtype(hf_config, fmt, quantization)
         if self.block_size is None:
             self.block_size = default_block_size(self.device, self.attention_backend, dtype)
@@ -162,7 +162,7 @@ class Config:
             _require(torch.cuda.is_available(), "device='cuda' but torch sees no CUDA GPU; use device='cpu'")
         return device
 
-    def _resolve_quantization(self, fmt: str, architecture: str) -> str | None:
+    def _resolve_quantization(self, fmt: str, hf_config) -> str | None:
         q = self.quantization
         _require(q in (None, "gguf", "none", *AT_LOAD),
                  f"quantization must be None, 'gguf', 'none', 'fp8', 'int8' or 'int4', got {q!r}")
@@ -172,7 +172,11 @@ class Config:
             if q == "fp8":
                 why_not = why_no_fp8(torch.device(self.device))
                 _require(why_not is None, f"{why_not}; use quantization='int8' or 'int4'")
-        if q == "gguf":
+        if q == "gguf" and fmt == "dummy":  # experts drawn as random Q4_K blocks (weights/model_files.py)
+            _require(getattr(hf_config, "num_experts", 0) > 0,
+                     f"load_format='dummy' with quantization='gguf' draws a mixture's experts as Q4_K blocks; "
+                     f"{hf_config.architectures[0]} has no experts")
+        elif q == "gguf":
             _require(fmt == "gguf", f"quantization='gguf' needs a .gguf model file; {self.model} is {fmt}")
         if q is None and fmt == "gguf":
             if self.device != "cpu":

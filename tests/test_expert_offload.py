@@ -101,3 +101,43 @@ def test_q4_k_experts_stream_as_their_blocks_on_the_gpu(tmp_path):
     assert offload.placement.resident == 3 and torch.uint8 in {t.dtype for t in offload.pool.stacks.values()}
     assert _tokens(llm) == want
     assert offload.num_loaded > 0
+
+
+@pytest.mark.parametrize("shape,offloaded", [("tiny-qwen3-moe", 3), ("tiny-qwen3.5-moe", 3), ("tiny-qwen3-moe", 5)])
+def test_dummy_experts_in_blocks_stream_as_the_held_ones_run(tiny_model_dir, shape, offloaded):
+    """load_format="dummy" with quantization="gguf": every layer's experts drawn as random blocks (Q8_0 at these
+    widths) and kept as them; streamed past the device (some, or all of a layer's) they give the tokens of the run
+    that holds them all."""
+    from nanovllm.weights.synthetic import write_config
+
+    path = str(write_config(shape, tiny_model_dir(shape) + "-config")[0])
+    kw = dict(device="cpu", load_format="dummy", quantization="gguf", max_model_len=128,
+              kv_cache_memory_bytes=16 << 20)
+    held = LLM(path, **kw)
+    blocks = [m.experts.quantized for m in held.llm_engine.model_runner.model.modules() if hasattr(m, "experts")
+              and getattr(m.experts, "quantized", None) is not None]
+    assert blocks and {p.type_name for b in blocks for p in b.parts.values()} == {"Q8_0"}
+    want = _tokens(held)
+    per_expert = sum(t[0].numel() * t.element_size() for t in blocks[0].stacks().values())
+    llm = LLM(path, cpu_offload_gb=offloaded * len(blocks) * per_expert / (1 << 30), **kw)
+    offload = llm.llm_engine.model_runner.streamer
+    assert offload.placement.offloaded == offloaded and _tokens(llm) == want and offload.num_loaded > 0
+
+
+def test_dummy_experts_are_q4_k_at_real_widths():
+    from types import SimpleNamespace
+
+    from nanovllm.quant.gguf_formats import dequantize
+    from nanovllm.weights.model_files import dummy_experts_type
+    from nanovllm.weights.synthetic import random_weights
+
+    assert dummy_experts_type(SimpleNamespace(hidden_size=2048, moe_intermediate_size=768)) == "Q4_K"
+    config = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=256, intermediate_size=256,
+                  moe_intermediate_size=512, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=128, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+    weights = dict(random_weights(config, torch.float32, "cpu", experts_type="Q4_K"))
+    down = weights["model.layers.0.mlp.experts.down_proj"]
+    assert down.type_name == "Q4_K" and down.shape == (4 * 256, 512)
+    values = dequantize(down.to_blocks(), "Q4_K", 512)
+    assert abs(values.mean().item()) < 0.01 and values.std().item() == pytest.approx(512 ** -0.5, rel=0.15)
+    assert not any(".experts.0." in name for name in weights)

@@ -67,12 +67,12 @@ class GGUFExperts:
         first = next(iter(stacks.values()))
         experts = GGUFExperts(first.shape[0], self.dtype, first.device, self.run_device)
         for proj, part in self.parts.items():
-            rows = part.shape[0] // self.num_experts * experts.num_experts
             if isinstance(part, GGUFWeight):
-                fields = {f: stacks[f"{proj}.{f}"].reshape(rows, -1) for f in part.fields}
+                fields = {f: stacks[f"{proj}.{f}"].flatten(0, 1) for f in part.fields}
+                rows = next(iter(fields.values())).shape[0]
                 experts.parts[proj] = GGUFWeight(part.type_name, (rows, part.shape[1]), fields)
             else:
-                experts.parts[proj] = stacks[proj].reshape(rows, -1)
+                experts.parts[proj] = stacks[proj].flatten(0, 1)
         return experts
 
     @property

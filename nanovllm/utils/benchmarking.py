@@ -18,13 +18,18 @@ L2_FLUSH_BYTES = 256 << 20  # several times the H100's 50 MB L2
 
 def resolve_model(name: str, dtype: torch.dtype, tokenizer_gguf: str | None = None, load_format: str = "auto") -> str:
     """'smollm2', a synthetic shape ('llama3-8b'; with load_format "dummy" its config alone, the weights drawn at
-    load), a synthetic GGUF ('llama3-8b:Q4_K', its tokenizer from tokenizer_gguf or the bundled model), or a path."""
+    load), a synthetic GGUF ('llama3-8b:Q4_K', its tokenizer from tokenizer_gguf or the bundled model; with "dummy"
+    a mixture's config alone, its experts drawn as Q4_K blocks at load with quantization="gguf"), or a path."""
     if name == "smollm2":
         return bundled_model_path()
     if name in SHAPES:
         out_dir = tempfile.mkdtemp(prefix=f"nanovllm-{name}-")
         return str(write_config(name, out_dir, dtype)[0] if load_format == "dummy" else write_model(name, out_dir, dtype))
     shape, _, type_name = name.partition(":")
+    if shape in SHAPES and type_name and load_format == "dummy":
+        if type_name != "Q4_K" or not SHAPES[shape].get("num_experts"):
+            raise ValueError(f"{name} with load_format dummy: only a mixture's experts are drawn in blocks, as Q4_K")
+        return str(write_config(shape, tempfile.mkdtemp(prefix=f"nanovllm-{shape}-"), dtype)[0])
     if shape in SHAPES and type_name:
         from nanovllm.weights.synthetic_gguf import write_gguf
 

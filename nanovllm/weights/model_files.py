@@ -118,6 +118,15 @@ def _tokenizer_through_alias(source: str, cache: Path):
     return AutoTokenizer.from_pretrained(str(cache), gguf_file=alias.name)
 
 
+def dummy_experts_type(config) -> str:
+    """load_format="dummy" with quantization="gguf": experts in Q4_K blocks (the fused kernels' type) where their
+    rows are whole 256-weight blocks, else Q8_0 (tiny test shapes)."""
+    q4_k = config.hidden_size % 256 == 0 and config.moe_intermediate_size % 256 == 0
+    type_name = "Q4_K" if q4_k else "Q8_0"
+    log_once(f"load_format='dummy', quantization='gguf': the experts are random {type_name} blocks")
+    return type_name
+
+
 def iterate_weights(model_config, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of every weight; "dummy" draws them on `device` (seed 0: every tensor-parallel rank draws
     the same values, and the values write_model writes with seed 0 on that device)."""
@@ -127,7 +136,8 @@ def iterate_weights(model_config, device: torch.device) -> Iterator[tuple[str, t
         config = model_config.hf_config
         # transformers' attribute aliases (Qwen3-MoE's num_experts is num_local_experts) are absent from to_dict()
         aliases = {alias: getattr(config, alias) for alias in getattr(config, "attribute_map", {})}
-        return random_weights({**config.to_dict(), **aliases}, model_config.dtype, device)
+        experts_type = dummy_experts_type(config) if model_config.quantization == "gguf" else None
+        return random_weights({**config.to_dict(), **aliases}, model_config.dtype, device, experts_type=experts_type)
     if model_config.format == "gguf":
         return iterate_gguf(model_config.model, model_config.hf_config, model_config.quantization == "gguf")
     return iterate_safetensors(Path(model_config.model))

@@ -7,6 +7,7 @@ tokenizer), so tests and benchmarks run where no model hub is reachable. Speed d
 import argparse
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -179,13 +180,33 @@ def write_tokenizer(out: Path, vocab_size: int):
     fast.save_pretrained(out)
 
 
-def random_weights(config: dict, dtype: torch.dtype, device: str | torch.device, seed: int = 0
-                   ) -> Iterator[tuple[str, torch.Tensor]]:
+def random_weights(config: dict, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
+                   experts_type: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of every weight of a Llama / Qwen2 / Qwen3 config, drawn on `device` in a fixed order: the
-    same seed and device give the same values (load_format="dummy" draws what write_model writes)."""
+    same seed and device give the same values (load_format="dummy" draws what write_model writes). experts_type (a
+    GGUF block type): each layer's experts instead as three stacked GGUFWeights of random blocks (gate_proj, up_proj
+    [experts x I, H], down_proj [experts x H, I]), as a GGUF file gives them."""
     generator = torch.Generator(device).manual_seed(seed)
+    stacked = set()
     for name, shape in weight_shapes(config).items():
+        if experts_type is not None and (match := _EXPERT.fullmatch(name)):
+            if (match["layer"], match["proj"]) not in stacked:
+                stacked.add((match["layer"], match["proj"]))
+                yield _random_experts(config, match, shape, experts_type, generator)
+            continue
         yield name, _random(name, shape, generator, device, config["model_type"] in HYBRID_TYPES).to(dtype)
+
+
+_EXPERT = re.compile(r"(?P<prefix>model\.layers\.(?P<layer>\d+)\.mlp\.experts\.)\d+\.(?P<proj>\w+)\.weight")
+
+
+def _random_experts(config: dict, match, shape: tuple[int, int], type_name: str, generator):
+    """A layer's every expert's projection, stacked, in random blocks of type_name: mean 0, std 1 / sqrt(inputs)."""
+    from nanovllm.weights.synthetic_gguf import random_block_weight
+
+    rows, cols = shape
+    weight = random_block_weight(type_name, config["num_experts"] * rows, cols, 1 / math.sqrt(cols), generator)
+    return match["prefix"] + match["proj"], weight
 
 
 def write_config(shape: str | dict, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> tuple[Path, dict]:

@@ -74,6 +74,20 @@ def random_blocks(type_name: str, rows: int, cols: int, std: float, rng: np.rand
     return raw.cpu().numpy() if isinstance(raw, torch.Tensor) else raw
 
 
+def random_block_weight(type_name: str, rows: int, cols: int, std: float, generator: torch.Generator):
+    """random_blocks as a GGUFWeight drawn on the generator's device (load_format="dummy" experts)."""
+    from nanovllm.quant.gguf_weight import GGUFWeight
+
+    fmt = BLOCK_FORMATS[type_name]
+    d, minimum = _calibration(type_name)
+    raw = torch.randint(0, 256, (rows, fmt.row_bytes(cols)), dtype=torch.uint8, device=generator.device,
+                        generator=generator)
+    blocks = raw.view(-1, fmt.block_bytes)
+    _set_f16(blocks, fmt, _SCALES, d * std)
+    _set_f16(blocks, fmt, _MINS, minimum * std)
+    return GGUFWeight.from_blocks(raw, type_name, (rows, cols))
+
+
 def _tensors(c: dict) -> dict[str, tuple[int, ...]]:
     """GGUF names -> (rows, cols) of a HF config's weights (norms: (cols,); a mixture's stacked experts: (experts,
     rows, cols))."""
