@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device run: GPU tests, then benchmarks, each table into $OUT. Usage on the device:
-#   bash scripts/device_check.sh [tests|tests1|tests2|moe|serve|bench|all|big|peer|profile|offload|weights|weights70|tp|tp4|dp]
+#   bash scripts/device_check.sh [tests|tests1|tests2|moe|moe397|serve|bench|all|big|peer|profile|offload|weights|weights70|tp|tp4|dp]
 # Tests of the bundled model skip there (the device cannot fetch it). `tests` is tests1 then tests2;
 # together they take longer than one 10-minute device call (with flash_attn importable, ~190 tests ran in 540 s), so
 # a call runs one of them. tests2 alone is ~8-9 minutes (142 of test_triton_kernels.py's 240 tests ran in 300 s).
@@ -40,6 +40,14 @@ if [[ $what == moe ]]; then  # mixtures of experts and hybrids: the fused kernel
     | tee "$OUT/bench_moe_decode1.md" | tail -5
   python3 bench.py --model qwen3-30b-a3b:Q4_K --mode decode1 --repeat 3 2>&1 | grep -v INFO \
     | tee "$OUT/bench_moe_q4_k_decode1.md" | tail -5
+  python3 bench.py --model qwen3.5-35b-a3b:Q4_K --mode decode1 --repeat 3 2>&1 | grep -v INFO \
+    | tee "$OUT/bench_hybrid_q4_k_decode1.md" | tail -5
+fi
+if [[ $what == moe397 ]]; then  # Qwen3.5-397B-A17B, Q4_K experts drawn at load, those past ~100 GiB in pinned host
+  # memory (nvidia-h200-x2: 256 GB of host memory; one of its GPUs)
+  ls .whl/fla_core-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/fla_core-*.whl 2>&1 | grep -v WARN
+  timeout 560 python3 bench.py --model qwen3.5-397b-a17b:Q4_K --load-format dummy --mode decode1 --cpu-offload-gb 140 \
+    2>&1 | grep -v INFO | tee "$OUT/bench_moe397_decode1.md" | tail -8
 fi
 if [[ $what == serve ]]; then  # nanovllm serve under 256 concurrent streams against LLM.generate; time to first token
   ls .whl/serve/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/serve/*.whl 2>&1 | grep -v WARN
