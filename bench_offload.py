@@ -4,6 +4,7 @@
     python bench_offload.py long [--model qwen3-0.6b] [--prompt-len 8192 32768] [--gpu-tokens 2048] [--num-prompts 4]
     python bench_offload.py weights [--model llama3-8b] [--batch-sizes 1 64] [--plot curve.png]  # streamed weights
     python bench_offload.py batch --prompt-len 1024 --output-len 2048 --batch-sizes 16 [--kv-multiple 3]  # swap vs recompute
+    python bench_offload.py experts --model qwen3.5-397b-a17b:Q4_K --load-format dummy --offload-gb 140 [--batch-sizes 1 64]
 
 copies: whole blocks (every layer, K and V) of a Llama-3-8B-shape KV cache (32 layers, 8 KV heads of 128, bf16) moved
 by sgDMA (comm/sgdma.py), by its torch twin (gather, one copy, scatter) and as one contiguous copy of the same bytes,
@@ -21,7 +22,11 @@ its bound: the streamed bytes a step over each tier's bandwidth (pinned H2D; the
 reads it, O_DIRECT where the file system allows). --model llama3-8b:Q4_K streams GGUF layers kept quantized.
 
 batch: --batch-sizes' last value of --prompt-len prompts whose KV is --kv-multiple times the GPU's: output tok/s with
-swap preemption (a host pool), with recompute preemption, and with the GPU holding it all."""
+swap preemption (a host pool), with recompute preemption, and with the GPU holding it all.
+
+experts: a mixture with --offload-gb GiB of its experts in pinned host memory (cpu_offload_gb; SHAPE:Q4_K with
+--load-format dummy draws them as Q4_K blocks at load): decode tok/s at each batch size against its bound, the
+experts a decode step loaded (counted) over the pinned H2D bandwidth."""
 import argparse
 import datetime
 import gc
@@ -328,9 +333,46 @@ def bench_weights(args):
         plot_against_batch(args.plot, curves, f"{args.model}, weights streamed, {torch.cuda.get_device_name()}")
 
 
+def bench_experts(args):
+    model = resolve_model(args.model, torch.bfloat16, os.environ.get("NANOVLLM_TOKENIZER_GGUF"), args.load_format)
+    quantization = "gguf" if args.load_format == "dummy" and ":" in args.model else None
+    bw = pinned_h2d_bandwidth()
+    print(f"\n| device | date | config |\n|---|---|---|\n| {torch.cuda.get_device_name()} | {datetime.date.today()} | "
+          f"{args.model}, 128-token prompts, {args.output_len} greedy tokens; pinned H2D {bw / 1e9:.1f} GB/s |\n")
+    print("| experts in host memory | batch | decode tok/s | experts loaded a step | their bytes a step | bound (batch / "
+          "a step's bytes over H2D) | vs bound |\n|---|---|---|---|---|---|---|", flush=True)
+    for gb in args.offload_gb:
+        llm = LLM(model, load_format=args.load_format, quantization=quantization, cpu_offload_gb=gb,
+                  max_model_len=128 + args.output_len + 16, enable_prefix_caching=False)
+        streamer = llm.llm_engine.model_runner.streamer
+        expert_bytes = streamer.placement.expert_bytes
+        for batch in args.batch_sizes:
+            tok_s, loaded = decode_loads(llm, streamer, batch, args.output_len)
+            bound = batch * bw / (loaded * expert_bytes) if loaded else float("inf")
+            print(f"| {gb:g} GiB ({streamer.describe(torch.device('cuda'))}) | {batch} | {tok_s:.1f} | {loaded:.0f} | "
+                  f"{loaded * expert_bytes / 1e9:.2f} GB | {bound:.1f} tok/s | {tok_s / bound:.0%} |", flush=True)
+        del llm, streamer
+        free_gpu_memory()
+
+
+def decode_loads(llm: LLM, streamer, batch: int, output_len: int) -> tuple[float, float]:
+    """(decode tok/s, experts loaded a decode step) of `batch` 128-token prompts: a prefill-only run's time and
+    loads taken out of the whole run's."""
+    prompts = [[random.Random(i).randint(100, 500) for _ in range(128)] for i in range(batch)]
+    generate_seconds(llm, prompts, 2)  # warm-up
+    start = streamer.num_loaded
+    whole = generate_seconds(llm, prompts, output_len)
+    after_whole = streamer.num_loaded
+    prefill = generate_seconds(llm, prompts, 1)
+    loaded = (after_whole - start) - (streamer.num_loaded - after_whole)
+    return batch * (output_len - 1) / (whole - prefill), loaded / (output_len - 1)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["copies", "long", "weights", "batch"])
+    ap.add_argument("mode", choices=["copies", "long", "weights", "batch", "experts"])
+    ap.add_argument("--offload-gb", type=float, nargs="+", default=[140], help="experts mode: cpu_offload_gb runs")
+    ap.add_argument("--load-format", default="auto", help="experts mode: dummy draws the weights at load")
     ap.add_argument("--kv-multiple", type=float, default=3.0, help="batch mode: the batch's KV over the GPU's")
     ap.add_argument("--plot", default=None, help="weights mode: a PNG of decode tok/s against batch size here")
     ap.add_argument("--model", default="qwen3-0.6b")
@@ -345,7 +387,8 @@ def main():
                     default=[(0, 0), (0.25, 0), (0.5, 0), (0.75, 0), (0, 0.25)],
                     help="weights mode: HOST:DISK shares of the decoder layers streamed from each tier")
     args = ap.parse_args()
-    {"copies": bench_copies, "long": bench_long, "weights": bench_weights, "batch": bench_batch}[args.mode](args)
+    {"copies": bench_copies, "long": bench_long, "weights": bench_weights, "batch": bench_batch,
+     "experts": bench_experts}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -46,8 +46,8 @@ fi
 if [[ $what == moe397 ]]; then  # Qwen3.5-397B-A17B, Q4_K experts drawn at load, those past ~100 GiB in pinned host
   # memory (nvidia-h200-x2: 256 GB of host memory; one of its GPUs)
   ls .whl/fla_core-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/fla_core-*.whl 2>&1 | grep -v WARN
-  timeout 560 python3 bench.py --model qwen3.5-397b-a17b:Q4_K --load-format dummy --mode decode1 --cpu-offload-gb 140 \
-    2>&1 | grep -v INFO | tee "$OUT/bench_moe397_decode1.md" | tail -8
+  timeout 560 python3 bench_offload.py experts --model qwen3.5-397b-a17b:Q4_K --load-format dummy --offload-gb 140 \
+    --batch-sizes 1 64 --output-len 16 2>&1 | grep -v INFO | tee "$OUT/bench_moe397.md" | tail -8
 fi
 if [[ $what == serve ]]; then  # nanovllm serve under 256 concurrent streams against LLM.generate; time to first token
   ls .whl/serve/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/serve/*.whl 2>&1 | grep -v WARN
