@@ -12,11 +12,12 @@ forward() is a step's attention where some sequence has offloaded blocks (the sc
 blocks to the pool when the GPU runs out, engine/block_manager.offload): per sequence, its resident blocks from the
 device cache and its offloaded ones through the ring, merged. Decoding sequences whose offloaded blocks fit a slot
 together share it (a PackedGroup): one load, one attention launch and one merge a layer for all of them, since the
-host's work a part, not the link, bounds a step of many short offloaded contexts. It runs eagerly. With `fast` (the Triton kernels on
-CUDA) the rows attend to their resident blocks by the paged decode (decode rows) and the causal paged prefill (prompt
-chunks), and to each slot by the paged decode (decode rows) or torch's flash attention (prompt chunks), each
-giving its log-sum-exp; a sequence's parts merge once a layer in one kernel (kernels/merge_attention.py), and the
-new K/V are stored by the Triton store. Without it, plain torch (attention/merge.py, the twin)."""
+host's work a part, not the link, bounds a step of many short offloaded contexts. It runs eagerly. With `fast` (the
+Triton kernels on CUDA) the rows attend to their resident blocks by the paged decode (decode rows) and the causal
+paged prefill (prompt chunks), and to each slot by the paged decode (decode rows) or torch's flash attention (prompt
+chunks), each giving its log-sum-exp; a sequence's parts merge once a layer in one kernel
+(kernels/merge_attention.py), and the new K/V are stored by the Triton store. Without it, plain torch
+(attention/merge.py, the twin)."""
 from collections import deque
 from dataclasses import dataclass
 

@@ -37,8 +37,10 @@ def prefill_varlen(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, con
     cu_device = cu.to(mixed.device, non_blocking=True)
     # fla's conv state holds the last W inputs; ours the last W - 1 (the oldest of fla's is never read)
     initial = F.pad(conv_states.to(mixed.dtype), (1, 0)) if keep else None
-    mixed, conv_after = causal_conv1d(mixed[None], conv_weight, None, initial_state=initial, output_final_state=keep,
-                                      activation="silu", cu_seqlens=cu_device, cu_seqlens_cpu=cu)
+    # mixed is a column slice of in_proj's rows; fla reads contiguous rows
+    mixed, conv_after = causal_conv1d(mixed.contiguous()[None], conv_weight, None, initial_state=initial,
+                                      output_final_state=keep, activation="silu", cu_seqlens=cu_device,
+                                      cu_seqlens_cpu=cu)
     key_dim = num_k_heads * head_k_dim
     q, k, v = mixed[0].split([key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], -1)
     q, k = (t.reshape(1, tokens, num_k_heads, head_k_dim) for t in (q, k))

@@ -22,7 +22,7 @@ from nanovllm.layers.custom_op import CustomOp
 from nanovllm.layers.embed_head import LMHead, VocabEmbedding
 from nanovllm.layers.fla_prefill import fla_ops, prefill_varlen
 from nanovllm.layers.layernorm import RMSNorm
-from nanovllm.layers.linear import MergedColumnLinear, ReplicatedLinear, RowParallelLinear
+from nanovllm.layers.linear import MergedColumnLinear, RowParallelLinear
 from nanovllm.layers.linear_attention import (
     causal_conv1d,
     causal_conv1d_step,
@@ -53,8 +53,8 @@ class GatedDeltaNet(CustomOp):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_width = config.linear_conv_kernel_dim
         hidden = config.hidden_size
-        self.in_proj_qkvz = ReplicatedLinear(hidden, 2 * self.key_dim + 2 * self.value_dim)
-        self.in_proj_ba = ReplicatedLinear(hidden, 2 * self.num_v_heads)
+        # the checkpoint's in_proj_qkvz and in_proj_ba in one matrix: one read of x, one launch a step
+        self.in_proj = MergedColumnLinear(hidden, self.in_proj_sizes())
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_width, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
@@ -64,6 +64,9 @@ class GatedDeltaNet(CustomOp):
         self.out_proj = RowParallelLinear(self.value_dim, hidden)
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, width - 1], fp32
         self.ssm_state: torch.Tensor | None = None  # [slots, value heads, head_k_dim, head_v_dim], fp32
+
+    def in_proj_sizes(self) -> list[int]:
+        return [2 * self.key_dim + 2 * self.value_dim, 2 * self.num_v_heads]
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> StateSpec:
         return StateSpec(((self.conv_dim, self.conv_width - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)),
@@ -75,7 +78,7 @@ class GatedDeltaNet(CustomOp):
     def project(self, x: torch.Tensor):
         """(q k v side by side [T, conv_dim], z [T, Hv, dv], b [T, Hv], a [T, Hv]) from Qwen3-Next's projections: per
         key head, its q, k, then its group of value heads' v and z; per key head, its group's b, then a."""
-        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        qkvz, ba = self.in_proj(x).split(self.in_proj_sizes(), -1)
         tokens, group = qkvz.shape[0], self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
         q, k, v, z = qkvz.view(tokens, self.num_k_heads, -1).split([dk, dk, group * dv, group * dv], -1)
@@ -175,20 +178,14 @@ class GatedDeltaNet(CustomOp):
 
 
 class Qwen35GatedDeltaNet(GatedDeltaNet):
-    """Qwen3.5's: q, k, v in one projection, z, b and a each in their own."""
+    """Qwen3.5's: q, k, v in one projection, z, b and a each in their own (in_proj's four pieces)."""
 
-    def __init__(self, config):
-        super().__init__(config)
-        del self.in_proj_qkvz, self.in_proj_ba
-        hidden = config.hidden_size
-        self.in_proj_qkv = ReplicatedLinear(hidden, self.conv_dim)
-        self.in_proj_z = ReplicatedLinear(hidden, self.value_dim)
-        self.in_proj_b = ReplicatedLinear(hidden, self.num_v_heads)
-        self.in_proj_a = ReplicatedLinear(hidden, self.num_v_heads)
+    def in_proj_sizes(self) -> list[int]:
+        return [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
 
     def project(self, x: torch.Tensor):
-        z = self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.head_v_dim)
-        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        mixed, z, b, a = self.in_proj(x).split(self.in_proj_sizes(), -1)
+        return mixed, z.view(x.shape[0], self.num_v_heads, self.head_v_dim), b, a
 
 
 class Qwen3NextAttention(nn.Module):
@@ -274,7 +271,10 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
     experts_only_quantized = True  # the linear attention takes no quantized weights: a GGUF file's experts alone stay
     linear_attention = GatedDeltaNet
     stacked_params = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+                      "in_proj_qkvz": ("in_proj", 0), "in_proj_ba": ("in_proj", 1),  # Qwen3-Next's linear attention
+                      "in_proj_qkv": ("in_proj", 0), "in_proj_z": ("in_proj", 1), "in_proj_b": ("in_proj", 2),
+                      "in_proj_a": ("in_proj", 3)}  # Qwen3.5's
 
     def __init__(self, config, quant_config=None):
         nn.Module.__init__(self)

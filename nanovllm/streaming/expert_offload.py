@@ -1,13 +1,13 @@
-"""Experts past the GPU. With cpu_offload_gb / disk_offload_gb on a mixture-of-experts model the unit of placement
-is the expert: the layers' dense parts (attention, norms, router, shared expert) and the embeddings stay resident,
-and in each MoE layer as many experts as the budgets leave stay on the device while the rest live in host memory
-(pinned on CUDA) or in a file in offload_folder; a GGUF file's experts stay in their blocks (the unit moved is an
-expert's blocks). A step runs a layer's router, its resident experts on the pairs routed to them, then loads the
-union of the batch's routed non-resident experts into a device pool shared by the layers (host ones in one gathered
-copy a stack, disk ones by positional reads through a pinned staging buffer) and runs them on theirs. Which experts are resident follows the routing counts seen so far, revised
-every `revise_every` forwards of a layer (between the device and host memory; disk experts stay on disk). Steps run
-eagerly: the routed experts are read on the host. On CPU the same bookkeeping, with host tensors as the "device",
-tested in CI."""
+"""Experts past the GPU. With cpu_offload_gb / disk_offload_gb on a mixture-of-experts model the unit of placement is
+the expert: the layers' dense parts (attention, norms, router, shared expert) and the embeddings stay resident, and
+in each MoE layer as many experts as the budgets leave stay on the device while the rest live in host memory (pinned
+on CUDA) or in a file in offload_folder; a GGUF file's experts stay in their blocks (the unit moved is an expert's
+blocks). A step runs a layer's router, its resident experts on the pairs routed to them, then loads the union of the
+batch's routed non-resident experts into a device pool shared by the layers (host ones in one gathered copy a stack,
+disk ones by positional reads through a pinned staging buffer) and runs them on theirs. Which experts are resident
+follows the routing counts seen so far, revised every `revise_every` forwards of a layer (between the device and
+host memory; disk experts stay on disk). Steps run eagerly: the routed experts are read on the host. On CPU the same
+bookkeeping, with host tensors as the "device", tested in CI."""
 import math
 from dataclasses import dataclass
 
