@@ -109,3 +109,25 @@ def test_fla_prefill_equals_the_torch_chunked_rule(dtype):
         torch.testing.assert_close(out[start:end].float(), want, **tol)
         torch.testing.assert_close(conv1[i].float(), conv_after, **tol)
         torch.testing.assert_close(ssm1[i], ssm_after, **tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), pytest.param(torch.bfloat16, 1e-2, marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="the interpreter truncates bf16")])])
+@pytest.mark.parametrize("tokens,heads,dim", [(5, 4, 24), (1, 32, 128), (0, 2, 8)])
+def test_the_gated_rms_norm_kernel_is_the_twin(dtype, tol, tokens, heads, dim):
+    """The fused gated RMSNorm against GatedDeltaNet's torch twin, z a strided slice of a projection's rows."""
+    from types import SimpleNamespace
+
+    from nanovllm.kernels.gated_rms_norm import gated_rms_norm
+    from nanovllm.models.qwen3_next import GatedDeltaNet
+
+    g = torch.Generator().manual_seed(tokens + heads)
+    x = torch.randn(tokens, heads, dim, generator=g).to(DEVICE, dtype)
+    z = torch.randn(tokens, heads * dim + 7, generator=g).to(DEVICE, dtype)[:, 3:3 + heads * dim].view(
+        tokens, heads, dim)
+    weight = (1 + 0.1 * torch.randn(dim, generator=g)).to(DEVICE, dtype)
+    twin = SimpleNamespace(norm=SimpleNamespace(weight=weight), eps=1e-6, use_triton=False)
+    want = GatedDeltaNet._gated_norm(twin, x, z)
+    got = gated_rms_norm(x, z, weight, 1e-6)
+    assert got.shape == (tokens, heads * dim) and got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)

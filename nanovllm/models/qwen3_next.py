@@ -98,7 +98,7 @@ class GatedDeltaNet(CustomOp):
             rows = slice(meta.query_start_loc_cpu[decodes], None)
             prefill = self._prefill_fla if self.use_triton and fla_ops() else self._prefill_native
             out[rows] = prefill(mixed[rows], *self._gates(b[rows], a[rows]), meta, decodes)
-        return self.out_proj(self._gated_norm(out, z).flatten(1))
+        return self.out_proj(self._gated_norm(out, z))
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(log decay g fp32, beta), as HF computes them."""
@@ -171,10 +171,14 @@ class GatedDeltaNet(CustomOp):
         return out
 
     def _gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """HF's RMSNormGated: each head's output normed, scaled, times silu(z)."""
+        """HF's RMSNormGated: each head's output normed, scaled, times silu(z) -> [T, H * dv]."""
+        if self.use_triton:
+            from nanovllm.kernels.gated_rms_norm import gated_rms_norm
+
+            return gated_rms_norm(x, gate, self.norm.weight, self.eps)
         x32 = x.float()
         normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.norm.weight * normed * F.silu(gate.float())).to(x.dtype)
+        return (self.norm.weight * normed * F.silu(gate.float())).to(x.dtype).flatten(1)
 
 
 class Qwen35GatedDeltaNet(GatedDeltaNet):
