@@ -19,7 +19,7 @@ from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.quant.gguf_weight import GGUFWeight
 from nanovllm.quant.registry import get_quantization_config
 from nanovllm.utils.benchmarking import copies_needed, graph_time, measure_hbm_bandwidth
-from nanovllm.weights.synthetic_gguf import random_blocks
+from nanovllm.weights.random_blocks import random_blocks
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # Llama-3-8B
 TYPES = [*KERNEL_TYPES, "int8", "fp8"]

@@ -7,7 +7,8 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.quant.gguf_formats import FORMATS, dequantize
-from nanovllm.weights.synthetic_gguf import random_blocks, write_gguf
+from nanovllm.weights.random_blocks import random_blocks
+from nanovllm.weights.synthetic_gguf import write_gguf
 
 SMALL = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=0, hidden_size=256,
              intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

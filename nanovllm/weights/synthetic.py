@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanovllm.models.qwen3_next import layer_types
+from nanovllm.weights.random_blocks import random_block_weight
 
 HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # linear and gated full attention, 1 + w norms
 _BASE = dict(hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
@@ -202,8 +203,6 @@ _EXPERT = re.compile(r"(?P<prefix>model\.layers\.(?P<layer>\d+)\.mlp\.experts\.)
 
 def _random_experts(config: dict, match, shape: tuple[int, int], type_name: str, generator):
     """A layer's every expert's projection, stacked, in random blocks of type_name: mean 0, std 1 / sqrt(inputs)."""
-    from nanovllm.weights.synthetic_gguf import random_block_weight
-
     rows, cols = shape
     weight = random_block_weight(type_name, config["num_experts"] * rows, cols, 1 / math.sqrt(cols), generator)
     return match["prefix"] + match["proj"], weight
