@@ -262,3 +262,32 @@ def test_block_copies_run_in_the_order_decided():
         target[:, :, dst] = source[:, :, src]
     run_block_copies(copies, kv_cache, pool)
     assert torch.equal(kv_cache, want_cache) and torch.equal(pool, want_pool)
+
+
+def test_long_prompts_prefill_a_layer_at_a_time_between_the_others_decode_steps(tiny_model_dir):
+    """4 prompts each longer than the device's 6 blocks: each prefills a layer at a time in a step of its own (not in
+    chunks that would stream its prefix once a chunk), the running ones decoding in the steps between; the tokens and
+    logprobs of a device that holds everything, both tiers free after."""
+    prompts = [[(5 * i + 11 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((200, 260, 140, 230))]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (20, 6, 14, 25)]
+    kw = dict(device=DEVICE, dtype="float32", max_model_len=512, block_size=16)
+    roomy = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=128, **kw)
+    want = [o.outputs[0] for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    llm = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=6, kv_offloading_size=0.01, **kw)
+    engine, scheduler = llm.llm_engine, llm.llm_engine.scheduler
+    schedule, beside = scheduler.schedule, []
+
+    def watched():
+        running = len(scheduler.running)
+        out = schedule()
+        if scheduler.last_step_alone:
+            beside.append(running)  # the sequences that waited a step for it
+        return out
+
+    scheduler.schedule = watched
+    got, _ = run_counting_offloaded(llm, prompts, params)
+    assert engine.model_runner.layer_major.runs == 4 and len(beside) == 3 and min(beside) >= 1
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, rel=1e-4, abs=1e-4)
+    assert_no_leaks(llm)

@@ -26,8 +26,9 @@ class Scheduler:
     preempted, and one waiting is admitted while the pool takes the blocks it needs room for: they decode together
     (kvcache/offload_engine.py attends to every such sequence of a step through one ring, in steps that run
     eagerly); no chunk asks for more blocks than the GPU has.
-    A prompt running alone whose KV outgrows the GPU is instead prefilled in one step, a layer at a time, its KV going
-    to the pool (kvcache/layer_major.py)."""
+    A prompt whose KV outgrows the GPU is instead prefilled in one step, a layer at a time, its KV going to the pool
+    (kvcache/layer_major.py): alone, or while others run, in a step of its own, the running sequences decoding in the
+    steps between two such prompts."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  prefill_to_host: bool = False, preemption: PreemptionPolicy = PreemptionPolicy("recompute")):
@@ -42,6 +43,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_swaps = 0  # of those, how many swapped their KV out instead of dropping it
+        self.last_step_alone = False  # the step before was a prompt prefilled a layer at a time beside running ones
 
     def add(self, seq: Sequence):
         self.waiting.append(seq)
@@ -52,6 +54,9 @@ class Scheduler:
     def schedule(self) -> "SchedulerOutput":
         """Sequences to run this step with num_scheduled_tokens set (those with one new token first, each group
         longest first), and the block copies to execute before it."""
+        if (seq := self._layer_major_turn()) is not None:
+            return self._admit_alone(seq)
+        turn_next, self.last_step_alone = self.last_step_alone, False  # then the next outgrowing prompt's turn
         budget = self.max_num_batched_tokens
         scheduled: list[Sequence] = []
         preempted = False
@@ -81,6 +86,8 @@ class Scheduler:
             if seq.swapped_blocks is not None:
                 if not self._swap_in(seq, budget):
                     break
+            elif turn_next and self.running and self._takes_turns(seq):
+                break  # the next step prefills it a layer at a time
             elif not self.running and not scheduled and self._prefill_to_host(seq):
                 budget = 0
             else:
@@ -161,6 +168,31 @@ class Scheduler:
             return False
         seq.num_scheduled_tokens = seq.num_tokens - seq.num_computed_tokens
         return True
+
+    def _layer_major_turn(self) -> Sequence | None:
+        """The next waiting prompt, where it outgrows the device and sequences run, prefilled a layer at a time in a
+        step of its own (its prefix read once a layer, where chunks beside the running ones would stream it once a
+        chunk); the running sequences take the step after, so that they keep decoding between two such prompts."""
+        if not (self.prefill_to_host and self.running and self.waiting) or self.last_step_alone \
+                or len(self.running) >= self.max_num_seqs:
+            return None
+        seq = self.waiting[0]
+        if not self._takes_turns(seq):
+            return None
+        self._offload_running(1 - self.block_manager.num_free_blocks)  # the tail it keeps on the device takes one
+        return seq if self._prefill_to_host(seq) else None
+
+    def _takes_turns(self, seq: Sequence) -> bool:
+        """A fresh prompt that outgrows the device: it prefills a layer at a time in a step of its own."""
+        return self.prefill_to_host and seq.swapped_blocks is None and not seq.num_computed_tokens \
+            and self._outgrows_device(seq)
+
+    def _admit_alone(self, seq: Sequence) -> "SchedulerOutput":
+        seq.status = SequenceStatus.RUNNING
+        self.waiting.popleft()
+        self.running.append(seq)
+        self.last_step_alone = True
+        return SchedulerOutput([seq], self.host_pool.take_copies())
 
     def _offload_for(self, seq: Sequence, num_new: int) -> int:
         """How many of num_new tokens of running seq fit once running sequences' leading blocks move to the host pool

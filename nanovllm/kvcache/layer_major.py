@@ -6,7 +6,7 @@ Qwen3-0.6B in chunks of 2K: 0.5 s at 55 GB/s, as long as its whole resident pref
 a time instead. The layer's KV of the whole context sits in a staging buffer on the GPU (what the pool already holds
 of it loaded once), every chunk of the prompt attends causally to it, and the new KV leaves once: to its pool blocks
 and to the device blocks of the tail that stays on the GPU. Two staging buffers alternate by layer, so a layer's
-copies run on a transfer stream while the next layer computes. Only a prompt that runs alone takes this path
+copies run on a transfer stream while the next layer computes. A prompt takes this path in a step of its own
 (engine/scheduler.py); its hidden states for every token stay on the GPU between layers."""
 import contextlib
 
