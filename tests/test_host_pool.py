@@ -291,3 +291,25 @@ def test_long_prompts_prefill_a_layer_at_a_time_between_the_others_decode_steps(
         assert g.token_ids == w.token_ids
         assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, rel=1e-4, abs=1e-4)
     assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_a_failed_copy_of_offloaded_blocks_is_an_error_not_a_hang(tiny_model_dir, monkeypatch, device):
+    """A copy between the pool and the ring that fails (as sgDMA reports one) ends generate() with that error, at
+    once: no step waits on a slot that will never load."""
+    import time
+
+    import nanovllm.kvcache.offload_engine as offload_engine
+
+    def failing_copy(*args):
+        raise RuntimeError("sgdma: the copy failed (injected)")
+
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(200)]} for i in range(2)]
+    llm = LLM(tiny_model_dir("tiny-llama"), device=device, dtype="float32", max_model_len=512, block_size=16,
+              num_gpu_blocks_override=6, kv_offloading_size=0.01)
+    monkeypatch.setattr(offload_engine, "copy_blocks", failing_copy)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="the copy failed"):
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 60
