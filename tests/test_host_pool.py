@@ -172,16 +172,25 @@ def test_offloaded_sequences_decode_together(tiny_model_dir):
     and logprobs of a device that holds everything; both tiers free after."""
     prompts = [[(7 * i + 13 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((300, 150, 220, 180))]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (24, 9, 17, 30)]
+    want, llm = roomy_outputs_and_tight_llm(tiny_model_dir, prompts, params)
+    got, together = run_counting_offloaded(llm, prompts, params)
+    assert together >= 2 and llm.llm_engine.scheduler.num_preemptions == 0
+    assert_same_completions(got, want)
+    assert_no_leaks(llm)
+
+
+def roomy_outputs_and_tight_llm(tiny_model_dir, prompts: list[list[int]], params: list[SamplingParams]):
+    """The completions of a device that holds everything (fp32), and an engine of 6 device blocks and a host pool."""
     kw = dict(device=DEVICE, dtype="float32", max_model_len=512, block_size=16)
     roomy = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=128, **kw)
     want = [o.outputs[0] for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-    llm = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=6, kv_offloading_size=0.01, **kw)
-    got, together = run_counting_offloaded(llm, prompts, params)
-    assert together >= 2 and llm.llm_engine.scheduler.num_preemptions == 0
+    return want, LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=6, kv_offloading_size=0.01, **kw)
+
+
+def assert_same_completions(got: list, want: list):
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, rel=1e-4, abs=1e-4)
-    assert_no_leaks(llm)
 
 
 def run_counting_offloaded(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list, int]:
@@ -270,10 +279,7 @@ def test_long_prompts_prefill_a_layer_at_a_time_between_the_others_decode_steps(
     logprobs of a device that holds everything, both tiers free after."""
     prompts = [[(5 * i + 11 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((200, 260, 140, 230))]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in (20, 6, 14, 25)]
-    kw = dict(device=DEVICE, dtype="float32", max_model_len=512, block_size=16)
-    roomy = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=128, **kw)
-    want = [o.outputs[0] for o in roomy.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-    llm = LLM(tiny_model_dir("tiny-llama"), num_gpu_blocks_override=6, kv_offloading_size=0.01, **kw)
+    want, llm = roomy_outputs_and_tight_llm(tiny_model_dir, prompts, params)
     engine, scheduler = llm.llm_engine, llm.llm_engine.scheduler
     schedule, beside = scheduler.schedule, []
 
@@ -287,9 +293,7 @@ def test_long_prompts_prefill_a_layer_at_a_time_between_the_others_decode_steps(
     scheduler.schedule = watched
     got, _ = run_counting_offloaded(llm, prompts, params)
     assert engine.model_runner.layer_major.runs == 4 and len(beside) == 3 and min(beside) >= 1
-    for g, w in zip(got, want):
-        assert g.token_ids == w.token_ids
-        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, rel=1e-4, abs=1e-4)
+    assert_same_completions(got, want)
     assert_no_leaks(llm)
 
 
