@@ -90,8 +90,9 @@ class ExpertPool:
 
 
 class LayerExperts:
-    """One MoE layer's experts: its resident ones held by its FusedMoE, and in host memory those and the host tier's
-    (host_row_of); the disk tier's in the layer file."""
+    """One MoE layer's experts: its resident ones held by its FusedMoE, the host tier's in host memory (host_row_of:
+    an expert's row there), the disk tier's in the layer file. Each expert is in one place: a revision swaps an
+    expert that leaves the device with one that enters it."""
 
     def __init__(self, moe, placement: ExpertPlacement, pool: ExpertPool, device: torch.device, revise_every: int,
                  layer_file: LayerFile | None, key: int):
@@ -103,13 +104,15 @@ class LayerExperts:
             for e in range(in_host, num_experts):  # each stack's row at its own aligned offset
                 for j, name in enumerate(self.names):
                     layer_file.write(self._place(e, j), stacks[name][e].contiguous().view(-1).view(torch.uint8))
-        pin = device.type == "cuda"
-        self.host = {name: t[:in_host].pin_memory() if pin else t[:in_host].clone() for name, t in stacks.items()}
-        self.resident = list(range(placement.resident))
-        moe.hold({name: t[:placement.resident].to(device, copy=True) for name, t in self.host.items()})
+        pin, resident = device.type == "cuda", placement.resident
+        self.host = {name: t[resident:in_host].pin_memory() if pin else t[resident:in_host].clone()
+                     for name, t in stacks.items()}
+        self.host_row_of = {e: e - resident for e in range(resident, in_host)}
+        self.resident = list(range(resident))
+        moe.hold({name: t[:resident].to(device, copy=True) for name, t in stacks.items()})
         self.row_of = torch.full((num_experts,), -1, dtype=torch.int64, device=device)  # resident expert -> its row
-        self.row_of[:placement.resident] = torch.arange(placement.resident, device=device)
-        self.in_host = in_host  # experts 0..in_host-1 have host rows (their index); the rest are on disk
+        self.row_of[:resident] = torch.arange(resident, device=device)
+        self.in_host = in_host  # experts 0..in_host-1 are on the device or in host memory; the rest are on disk
         self.counts = torch.zeros(num_experts, dtype=torch.int64, device=device)  # routed pairs seen, an expert
         self.forwards = 0
         self._staging: torch.Tensor | None = None  # whole pages a disk read lands in
@@ -124,7 +127,8 @@ class LayerExperts:
         if needed:
             host = [e for e in needed if e < self.in_host]
             disk = [e for e in needed if e >= self.in_host]
-            loaded = self.pool.load(self.host, host, lambda i, rows_of: self._read(disk[i], rows_of), len(disk))
+            loaded = self.pool.load(self.host, [self.host_row_of[e] for e in host],
+                                    lambda i, rows_of: self._read(disk[i], rows_of), len(disk))
             pool_row = torch.full_like(self.row_of, -1)
             pool_row[host + disk] = torch.arange(len(needed), device=ids.device)
             out = out + moe.run_held(x, loaded, weights, pool_row[ids])
@@ -145,17 +149,19 @@ class LayerExperts:
             row.view(-1).view(torch.uint8).copy_(self._staging[:nbytes])
 
     def revise(self, moe):
-        """The most routed experts so far of those in host memory become the resident ones: each that enters takes
-        the row of one that leaves."""
+        """The most routed experts so far of those on the device or in host memory become the resident ones: each
+        that enters swaps places with one that leaves (its device row and its host row)."""
         wanted = set(self.counts[:self.in_host].topk(len(self.resident)).indices.tolist())
         leaving = [e for e in self.resident if e not in wanted]
         entering = sorted(wanted - set(self.resident))
         held = moe.stacks()
         for old, new in zip(leaving, entering):
-            row = self.resident.index(old)
+            row, host_row = self.resident.index(old), self.host_row_of.pop(new)
             for name, stack in held.items():
-                stack[row].copy_(self.host[name][new], non_blocking=True)
-            self.resident[row] = new
+                entering_weights = self.host[name][host_row].clone()
+                self.host[name][host_row].copy_(stack[row])  # waits for the device: the pool reads host rows later
+                stack[row].copy_(entering_weights)
+            self.resident[row], self.host_row_of[old] = new, host_row
             self.row_of[old], self.row_of[new] = -1, row
 
 
@@ -179,8 +185,8 @@ class ExpertOffload:
         expert_bytes = sum(t[0].numel() * t.element_size() for t in stacks.values())  # blocks where kept quantized
         placement = ExpertPlacement.plan(len(moes), moes[0].num_experts, expert_bytes, int(config.cpu_offload_gb * (1 << 30)),
                                          int(config.disk_offload_gb * (1 << 30)))
-        in_host = (placement.num_experts - placement.disk) * placement.num_layers  # the resident ones' masters too
-        require_host_memory(in_host * expert_bytes, f"cpu_offload_gb={config.cpu_offload_gb:g}")
+        require_host_memory(placement.host * placement.num_layers * expert_bytes,
+                            f"cpu_offload_gb={config.cpu_offload_gb:g}")
         layer_file = None
         if placement.disk:
             folder = config.offload_folder or str(cache_dir("offload"))
