@@ -42,6 +42,7 @@ def test_streamed_experts_give_the_resident_tokens(tiny_model_dir, monkeypatch, 
 def test_the_placement_puts_the_budget_in_whole_experts():
     p = ExpertPlacement.plan(num_layers=48, num_experts=128, expert_bytes=9 << 20, host_bytes=30 << 30)
     assert p.host == 72 and p.resident == 56  # 30 GiB / (48 layers x 9 MiB) = 71.1 -> 72 a layer
+    assert "42.5 MB a layer, 2.04 GB a token" in p.table(top_k=8)  # 8 x 72 / 128 of 9 MiB, 48 layers
     assert ExpertPlacement.plan(2, 5, 100, 10_000).resident == 0  # more than the experts hold: all of them
     both = ExpertPlacement.plan(48, 128, 9 << 20, host_bytes=10 << 30, disk_bytes=20 << 30)
     assert (both.disk, both.host, both.resident) == (48, 24, 56)

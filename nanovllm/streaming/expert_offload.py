@@ -48,11 +48,16 @@ class ExpertPlacement:
     def offloaded(self) -> int:
         return self.host + self.disk
 
-    def table(self) -> str:
+    def table(self, top_k: int) -> str:
+        """The tiers, and the bytes a token's routed experts past the device weigh where routing is uniform (the
+        worst case for the resident set): a bs=1 step moves them over the link, which bounds it."""
         gib = self.expert_bytes * self.num_layers / (1 << 30)
+        past = top_k * self.offloaded / self.num_experts * self.expert_bytes  # a layer
         return "| experts in | a layer | all layers |\n|---|---|---|\n" + "\n".join(
             f"| {tier} | {n} | {n * gib:.2f} GiB |" for tier, n in
-            (("device", self.resident), ("host memory", self.host), ("disk", self.disk)))
+            (("device", self.resident), ("host memory", self.host), ("disk", self.disk))) + \
+            (f"\na token's routed experts past the device, routing uniform: {past / 1e6:.1f} MB a layer, "
+             f"{past * self.num_layers / 1e9:.2f} GB a token (a bs=1 step's bound: that over the link's bandwidth)")
 
 
 class ExpertPool:
@@ -197,7 +202,7 @@ class ExpertOffload:
                 log_once("experts on disk are read by positional reads through a pinned staging buffer (kvikio "
                          "serves decoder layers, not experts yet)")
         logger.debug(f"experts (cpu_offload_gb={config.cpu_offload_gb:g}, disk_offload_gb={config.disk_offload_gb:g})"
-                     f":\n{placement.table()}")
+                     f":\n{placement.table(moes[0].top_k)}")
         return cls(moes, placement, device, layer_file=layer_file)
 
     def module_ids(self) -> set[int]:
