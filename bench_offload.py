@@ -213,11 +213,21 @@ def bench_batch(args):
               f"{copied / 1e9:.1f} GB | {f'{link:.2f} s, {link / seconds:.0%}' if copied else ''} |")
 
 
+def decode_counted(llm: LLM, batch: int, output_len: int, count) -> tuple[float, int]:
+    """(decode tok/s, what count() gained over the decode steps) of `batch` 128-token prompts decoding output_len
+    tokens: a prefill-only run's time and count taken out of the whole run's."""
+    prompts = [[random.Random(i).randint(100, 500) for _ in range(128)] for i in range(batch)]
+    generate_seconds(llm, prompts, 2)  # warm-up
+    start = count()
+    whole = generate_seconds(llm, prompts, output_len)
+    after_whole = count()
+    prefill = generate_seconds(llm, prompts, 1)
+    return batch * (output_len - 1) / (whole - prefill), (after_whole - start) - (count() - after_whole)
+
+
 def decode_tok_s(llm: LLM, batch: int, output_len: int) -> tuple[float, float]:
     """Output tok/s of `batch` 128-token prompts decoding output_len tokens, the prefill's time taken out, and the
     sequences a decode step carried on average (fewer than `batch` where the KV cache holds fewer at a time)."""
-    prompts = [[random.Random(i).randint(100, 500) for _ in range(128)] for i in range(batch)]
-    generate_seconds(llm, prompts, 2)  # warm-up
     runner, steps = llm.llm_engine.model_runner, [0]  # steps launched, one pass over the layers each
     launch = runner.launch  # counted here, not by a layer hook: a CUDA graph's replay runs no hooks
 
@@ -226,12 +236,9 @@ def decode_tok_s(llm: LLM, batch: int, output_len: int) -> tuple[float, float]:
         return launch(*args, **kwargs)
 
     runner.launch = counted_launch
-    whole = generate_seconds(llm, prompts, output_len)
-    whole_steps = steps[0]
-    prefill = generate_seconds(llm, prompts, 1)
+    tok_s, decode_steps = decode_counted(llm, batch, output_len, lambda: steps[0])
     del runner.launch
-    decode_steps = whole_steps - (steps[0] - whole_steps)
-    return batch * (output_len - 1) / (whole - prefill), batch * (output_len - 1) / decode_steps
+    return tok_s, batch * (output_len - 1) / decode_steps
 
 
 def disk_bandwidth(streamer) -> float:
@@ -347,25 +354,13 @@ def bench_experts(args):
         streamer = llm.llm_engine.model_runner.streamer
         expert_bytes = streamer.placement.expert_bytes
         for batch in args.batch_sizes:
-            tok_s, loaded = decode_loads(llm, streamer, batch, args.output_len)
+            tok_s, loaded = decode_counted(llm, batch, args.output_len, lambda s=streamer: s.num_loaded)
+            loaded /= args.output_len - 1  # a decode step
             bound = batch * bw / (loaded * expert_bytes) if loaded else float("inf")
             print(f"| {gb:g} GiB ({streamer.describe(torch.device('cuda'))}) | {batch} | {tok_s:.1f} | {loaded:.0f} | "
                   f"{loaded * expert_bytes / 1e9:.2f} GB | {bound:.1f} tok/s | {tok_s / bound:.0%} |", flush=True)
         del llm, streamer
         free_gpu_memory()
-
-
-def decode_loads(llm: LLM, streamer, batch: int, output_len: int) -> tuple[float, float]:
-    """(decode tok/s, experts loaded a decode step) of `batch` 128-token prompts: a prefill-only run's time and
-    loads taken out of the whole run's."""
-    prompts = [[random.Random(i).randint(100, 500) for _ in range(128)] for i in range(batch)]
-    generate_seconds(llm, prompts, 2)  # warm-up
-    start = streamer.num_loaded
-    whole = generate_seconds(llm, prompts, output_len)
-    after_whole = streamer.num_loaded
-    prefill = generate_seconds(llm, prompts, 1)
-    loaded = (after_whole - start) - (streamer.num_loaded - after_whole)
-    return batch * (output_len - 1) / (whole - prefill), loaded / (output_len - 1)
 
 
 def main():
