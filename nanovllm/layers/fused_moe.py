@@ -95,12 +95,15 @@ class FusedMoE(CustomOp):
         else:
             self.w13, self.w2 = (nn.Parameter(stacks[name], requires_grad=False) for name in ("w13", "w2"))
 
-    def run_held(self, x: torch.Tensor, stacks: dict[str, torch.Tensor], weights: torch.Tensor,
-                 rows: torch.Tensor) -> torch.Tensor:
-        """The experts in stacks on the pairs whose rows [T, k] index them (-1: a pair left out)."""
+    def run_held(self, x: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
+                 stacks: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """The experts in stacks (None: the layer's own) on the pairs whose rows [T, k] index them (-1: a pair left
+        out)."""
         if self.quantized is not None:
-            return self._run_quantized(x, self.quantized.over(stacks), weights, rows, leaves_out=True)
-        return self.experts(x, stacks["w13"], stacks["w2"], weights, rows, leaves_out=True)
+            experts = self.quantized if stacks is None else self.quantized.over(stacks)
+            return self._run_quantized(x, experts, weights, rows, leaves_out=True)
+        w13, w2 = (self.w13, self.w2) if stacks is None else (stacks["w13"], stacks["w2"])
+        return self.experts(x, w13, w2, weights, rows, leaves_out=True)
 
     def settle_quantized(self):
         """Once loaded: where they run on CUDA, experts the fused kernels cannot read as blocks (types other than

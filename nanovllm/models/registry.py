@@ -11,7 +11,6 @@ _MODELS = {
     "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),
 }
-# architectures whose layers take no quantized weights yet: a GGUF file of one is dequantized at load by default
 # a vision-language checkpoint whose language model runs as this text architecture (its vision tower is not loaded)
 TEXT_ONLY = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
              "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}

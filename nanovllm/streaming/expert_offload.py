@@ -127,7 +127,7 @@ class LayerExperts:
 
     def run(self, moe, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         rows = self.row_of[ids]
-        out = moe.run_held(x, moe.stacks(), weights, rows) if self.resident else torch.zeros_like(x)
+        out = moe.run_held(x, weights, rows) if self.resident else torch.zeros_like(x)
         needed = ids[rows < 0].unique().tolist()
         if needed:
             host = [e for e in needed if e < self.in_host]
@@ -136,7 +136,7 @@ class LayerExperts:
                                     lambda i, rows_of: self._read(disk[i], rows_of), len(disk))
             pool_row = torch.full_like(self.row_of, -1)
             pool_row[host + disk] = torch.arange(len(needed), device=ids.device)
-            out = out + moe.run_held(x, loaded, weights, pool_row[ids])
+            out = out + moe.run_held(x, weights, pool_row[ids], loaded)
         self.counts.index_add_(0, ids.flatten(), torch.ones_like(ids.flatten()))
         self.forwards += 1
         if self.resident and self.forwards % self.revise_every == 0:

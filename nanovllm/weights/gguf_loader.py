@@ -103,6 +103,13 @@ def gguf_hf_config(path: str):
     return config
 
 
+def copy_tokenizer_metadata(reader, writer):
+    """A GGUF file's tokenizer.* metadata (a gguf.GGUFReader's) into a gguf.GGUFWriter."""
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            writer.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+
+
 def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's convert-time row permutation of Q/K (as HF transformers does on load)."""
     rows = w.shape[0]

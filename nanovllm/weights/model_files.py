@@ -12,7 +12,7 @@ import torch
 from nanovllm.cache_dir import cache_dir
 from nanovllm.logger import log_once
 from nanovllm.models.registry import resolve_architecture, text_config
-from nanovllm.weights.gguf_loader import gguf_hf_config, iterate_gguf
+from nanovllm.weights.gguf_loader import copy_tokenizer_metadata, gguf_hf_config, iterate_gguf
 from nanovllm.weights.safetensors_loader import iterate_safetensors, safetensors_files
 
 TOKENIZER_CACHE = cache_dir("tokenizers")
@@ -108,9 +108,7 @@ def _tokenizer_through_alias(source: str, cache: Path):
     cache.mkdir(parents=True, exist_ok=True)
     alias = cache / "tokenizer-only.gguf"
     writer = gguf.GGUFWriter(str(alias), TOKENIZER_ALIASES[arch])
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            writer.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    copy_tokenizer_metadata(reader, writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from nanovllm.quant.gguf_formats import FORMATS
+from nanovllm.weights.gguf_loader import copy_tokenizer_metadata
 from nanovllm.weights.random_blocks import random_blocks
 from nanovllm.weights.synthetic import SHAPES
 
@@ -37,7 +38,7 @@ def _tensors(c: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-HYBRID_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")  # as llama.cpp keeps them
+F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")  # as llama.cpp keeps them
 
 
 def _hybrid_tensors(c: dict) -> dict[str, tuple[int, ...]]:
@@ -75,18 +76,18 @@ def _add_hybrid_metadata(writer, c: dict):
     """The qwen35moe.* keys that gguf_hybrid.config_kwargs reads, and the rotary sections transformers' GGUF reader
     asks for (the tokenizer loads through it)."""
     arch = "qwen35moe"
-    layers = c["num_hidden_layers"]
-    recurrent = [(i + 1) % c["full_attention_interval"] != 0 for i in range(layers)]
+    recurrent = [(i + 1) % c["full_attention_interval"] != 0 for i in range(c["num_hidden_layers"])]
+    rotary = int(c["head_dim"] * c["rope_parameters"]["partial_rotary_factor"])
     for key, value in {"ssm.conv_kernel": c["linear_conv_kernel_dim"], "ssm.state_size": c["linear_key_head_dim"],
                        "ssm.group_count": c["linear_num_key_heads"], "ssm.time_step_rank": c["linear_num_value_heads"],
                        "ssm.inner_size": c["linear_num_value_heads"] * c["linear_value_head_dim"],
                        "full_attention_interval": c["full_attention_interval"],
-                       "rope.dimension_count": int(c["head_dim"] * c["rope_parameters"]["partial_rotary_factor"]),
+                       "rope.dimension_count": rotary,
                        "expert_shared_feed_forward_length": c["shared_expert_intermediate_size"]}.items():
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_array(f"{arch}.attention.recurrent_layers", recurrent)
-    half = int(c["head_dim"] * c["rope_parameters"]["partial_rotary_factor"]) // 2  # multimodal rotary sections,
-    writer.add_array(f"{arch}.rope.dimension_sections", [half - 2 * (half // 3), half // 3, half // 3, 0])  # as 3.5's
+    half = rotary // 2  # the multimodal rotary's sections, as Qwen3.5's files have them
+    writer.add_array(f"{arch}.rope.dimension_sections", [half - 2 * (half // 3), half // 3, half // 3, 0])
 
 
 def _vector(name: str, dims: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -117,7 +118,7 @@ def write_gguf(shape: str | dict, type_name: str, path: str, tokenizer: str | No
         raise ValueError("synthetic qwen3moe GGUF files have experts in every layer (llama.cpp's qwen3moe)")
     block = FORMATS[type_name].block_size
     odd = sorted({dims[-1] for name, dims in shapes(c).items() if len(dims) >= 2 and dims[-1] % block
-                  and not name.endswith(HYBRID_F32)})
+                  and not name.endswith(F32_TENSORS)})
     if odd:
         raise ValueError(f"{type_name} rows are whole blocks of {block} weights; this shape has rows of {odd}")
     donor = gguf.GGUFReader(tokenizer or bundled_model_path())
@@ -143,15 +144,13 @@ def write_gguf(shape: str | dict, type_name: str, path: str, tokenizer: str | No
         writer.add_expert_count(c["num_experts"])
         writer.add_expert_used_count(c["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
-    for key, field in donor.fields.items():
-        if key.startswith("tokenizer."):
-            writer.add_key_value(key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None)
+    copy_tokenizer_metadata(donor, writer)
     rng = np.random.default_rng(seed)
     for name, dims in shapes(c).items():
         if len(dims) == 1:
             writer.add_tensor(name, _vector(name, dims, rng))
             continue
-        kind = "F32" if name.endswith(HYBRID_F32) else type_name  # the routers: F32, as llama.cpp's
+        kind = "F32" if name.endswith(F32_TENSORS) else type_name  # the routers: F32, as llama.cpp's
         std = (2 if name == "token_embd.weight" else 1) / math.sqrt(dims[-1])
         data = random_blocks(kind, math.prod(dims[:-1]), dims[-1], std, rng)
         data = data.reshape(*dims[:-1], -1)  # stacked experts: [experts, rows, row bytes]
